@@ -1,0 +1,1 @@
+"""Benchmarks and the swarm simulator (benchmarks are not tests)."""

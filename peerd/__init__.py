@@ -1,0 +1,1 @@
+"""peerd: the per-host data plane. Knows nothing of Temporal."""

@@ -1,0 +1,299 @@
+"""The signed manifest: what a version is, chunk by chunk.
+
+The signed document is ``{"manifest": {...}, "signature": {"key_id", "sig"}}``. The signature covers
+the canonical JSON of ``manifest`` (sorted keys, no whitespace, UTF-8), and the SHA-256 of those same
+bytes is the version id: the rollout's identity everywhere (store paths, HTTP, workflow inputs).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path, PurePosixPath
+from typing import Iterable, Iterator
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from peerd import signing
+
+SCHEMA = "weightcast.manifest/v1"
+HASH_ALGORITHM = "sha256"
+DEFAULT_CHUNK_SIZE = 64 * 1024 * 1024
+MAX_MANIFEST_BYTES = 256 * 1024 * 1024
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,127}$")
+
+
+class ManifestError(ValueError):
+    """The manifest is malformed, inconsistent, unsafe or not signed by a trusted key."""
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    path: str
+    size: int
+    digest: str
+
+
+@dataclass(frozen=True)
+class Chunk:
+    index: int
+    file: str
+    offset: int
+    size: int
+    digest: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    model: str
+    version: str
+    created_at: str
+    chunk_size: int
+    files: tuple[FileEntry, ...]
+    chunks: tuple[Chunk, ...]
+    hash_algorithm: str = HASH_ALGORITHM
+    schema: str = SCHEMA
+    _by_file: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def total_size(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def body(self) -> dict:
+        return {
+            "schema": self.schema, "model": self.model, "version": self.version,
+            "created_at": self.created_at, "hash_algorithm": self.hash_algorithm,
+            "chunk_size": self.chunk_size,
+            "files": [{"path": f.path, "size": f.size, "digest": f.digest} for f in self.files],
+            "chunks": [{"index": c.index, "file": c.file, "offset": c.offset, "size": c.size,
+                        "digest": c.digest} for c in self.chunks],
+        }
+
+    def canonical_bytes(self) -> bytes:
+        return canonical_json(self.body())
+
+    @property
+    def digest(self) -> str:
+        """The version id: SHA-256 of the canonical manifest body."""
+        return hashlib.sha256(self.canonical_bytes()).hexdigest()
+
+    def chunks_of(self, path: str) -> list[Chunk]:
+        if not self._by_file:
+            for c in self.chunks:
+                self._by_file.setdefault(c.file, []).append(c)
+        return self._by_file.get(path, [])
+
+
+def canonical_json(obj) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+# ---------------------------------------------------------------- building
+
+class ChunkHasher:
+    """Consumes one file's bytes in any pieces; cuts them into chunks of ``chunk_size``.
+
+    Lets the directory and the S3 builder share one code path, streaming: nothing is held but the
+    current chunk's hash state.
+    """
+
+    def __init__(self, path: str, chunk_size: int, first_index: int):
+        self.path, self.chunk_size, self.next_index = path, chunk_size, first_index
+        self.file_hash = hashlib.sha256()
+        self.chunk_hash = hashlib.sha256()
+        self.chunk_fill = 0
+        self.offset = 0
+        self.chunks: list[Chunk] = []
+
+    def update(self, data: bytes | memoryview) -> None:
+        mv = memoryview(data)
+        self.file_hash.update(mv)
+        while len(mv):
+            take = min(len(mv), self.chunk_size - self.chunk_fill)
+            self.chunk_hash.update(mv[:take])
+            self.chunk_fill += take
+            mv = mv[take:]
+            if self.chunk_fill == self.chunk_size:
+                self._cut()
+
+    def _cut(self) -> None:
+        self.chunks.append(Chunk(self.next_index, self.path, self.offset, self.chunk_fill,
+                                 self.chunk_hash.hexdigest()))
+        self.next_index += 1
+        self.offset += self.chunk_fill
+        self.chunk_fill = 0
+        self.chunk_hash = hashlib.sha256()
+
+    def finish(self) -> tuple[FileEntry, list[Chunk]]:
+        if self.chunk_fill:
+            self._cut()
+        return FileEntry(self.path, self.offset, self.file_hash.hexdigest()), self.chunks
+
+
+def build_from_directory(root: Path, model: str, version: str,
+                         chunk_size: int = DEFAULT_CHUNK_SIZE) -> Manifest:
+    root = Path(root)
+    if not root.is_dir():
+        raise ManifestError(f"{root} is not a directory")
+    paths = sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith("."))
+    if not paths:
+        raise ManifestError(f"{root} holds no files to publish")
+    return build_from_pieces(model, version, chunk_size,
+                             ((p.relative_to(root).as_posix(), iter_file_pieces(p)) for p in paths))
+
+
+def assemble(model: str, version: str, chunk_size: int, files: list[FileEntry],
+             chunks: list[Chunk], created_at: str | None = None) -> Manifest:
+    m = Manifest(model=model, version=version,
+                 created_at=created_at or datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                 chunk_size=chunk_size, files=tuple(files), chunks=tuple(chunks))
+    validate(m)
+    return m
+
+
+# ---------------------------------------------------------------- signing
+
+def sign_manifest(m: Manifest, key: Ed25519PrivateKey) -> dict:
+    return {"manifest": m.body(),
+            "signature": {"key_id": signing.public_key_id(key.public_key()),
+                          "sig": signing.sign(key, m.canonical_bytes())}}
+
+
+def signed_bytes(m: Manifest, key: Ed25519PrivateKey) -> bytes:
+    return json.dumps(sign_manifest(m, key), indent=1).encode()
+
+
+def load_signed(data: bytes, trusted: list[Ed25519PublicKey]) -> Manifest:
+    """Parse, validate and check the signature. Raises ManifestError saying what is wrong."""
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise ManifestError(f"manifest is {len(data)} bytes, over the {MAX_MANIFEST_BYTES} limit")
+    try:
+        doc = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ManifestError(f"manifest is not valid JSON: {e}") from None
+    if not isinstance(doc, dict) or set(doc) != {"manifest", "signature"}:
+        raise ManifestError("a signed manifest has exactly two keys, 'manifest' and 'signature'; "
+                            "sign it with `weightcast manifest build --key ...`")
+    m = parse_body(doc["manifest"])
+    sig = doc["signature"]
+    if not isinstance(sig, dict) or not isinstance(sig.get("key_id"), str) or not isinstance(sig.get("sig"), str):
+        raise ManifestError("signature must be an object with string 'key_id' and 'sig'")
+    if not trusted:
+        raise ManifestError("no trusted public keys configured; refusing to accept any manifest")
+    if not signing.verify(trusted, m.canonical_bytes(), sig["sig"], sig["key_id"]):
+        known = ", ".join(signing.public_key_id(k) for k in trusted)
+        raise ManifestError(f"bad signature: manifest signed by key {sig['key_id']!r} does not verify "
+                            f"against the trusted keys ({known})")
+    return m
+
+
+def parse_body(body) -> Manifest:
+    if not isinstance(body, dict):
+        raise ManifestError("'manifest' must be an object")
+    expected = {"schema", "model", "version", "created_at", "hash_algorithm", "chunk_size", "files", "chunks"}
+    if set(body) != expected:
+        raise ManifestError(f"manifest fields must be {sorted(expected)}; got {sorted(body)}")
+    try:
+        files = tuple(FileEntry(path=f["path"], size=f["size"], digest=f["digest"]) for f in body["files"])
+        chunks = tuple(Chunk(index=c["index"], file=c["file"], offset=c["offset"], size=c["size"],
+                             digest=c["digest"]) for c in body["chunks"])
+    except (TypeError, KeyError) as e:
+        raise ManifestError(f"malformed file or chunk entry: missing or wrong field {e}") from None
+    m = Manifest(model=body["model"], version=body["version"], created_at=body["created_at"],
+                 chunk_size=body["chunk_size"], files=files, chunks=chunks,
+                 hash_algorithm=body["hash_algorithm"], schema=body["schema"])
+    validate(m)
+    return m
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def safe_relative_path(p) -> str:
+    """Refuse anything that could land outside the model directory."""
+    if not isinstance(p, str) or not p or len(p) > 1024 or "\\" in p or "\x00" in p:
+        raise ManifestError(f"file path {p!r} is not a plain relative POSIX path")
+    pp = PurePosixPath(p)
+    if pp.is_absolute() or any(part in ("..", ".", "") for part in p.split("/")):
+        raise ManifestError(f"file path {p!r} escapes the model directory")
+    return p
+
+
+def validate(m: Manifest) -> None:
+    if m.schema != SCHEMA:
+        raise ManifestError(f"unknown manifest schema {m.schema!r}; this peerd reads {SCHEMA!r}")
+    if m.hash_algorithm != HASH_ALGORITHM:
+        raise ManifestError(f"unsupported hash algorithm {m.hash_algorithm!r}; use {HASH_ALGORITHM!r}")
+    for name, v in (("model", m.model), ("version", m.version)):
+        if not isinstance(v, str) or not _NAME.match(v):
+            raise ManifestError(f"{name} {v!r} must match {_NAME.pattern}")
+    if not isinstance(m.created_at, str):
+        raise ManifestError("created_at must be a string")
+    if not _is_int(m.chunk_size) or not (1 <= m.chunk_size <= 4 * 1024**3):
+        raise ManifestError(f"chunk_size {m.chunk_size!r} must be an integer in [1, 4 GiB]")
+    if not m.files:
+        raise ManifestError("manifest lists no files")
+    seen = set()
+    for f in m.files:
+        safe_relative_path(f.path)
+        if f.path in seen:
+            raise ManifestError(f"file {f.path!r} listed twice")
+        seen.add(f.path)
+        if not _is_int(f.size) or f.size < 0:
+            raise ManifestError(f"file {f.path!r} has invalid size {f.size!r}")
+        if not isinstance(f.digest, str) or not _HEX64.match(f.digest):
+            raise ManifestError(f"file {f.path!r} digest must be 64 lowercase hex characters")
+    prefixes = {str(PurePosixPath(p).parent) for p in seen}
+    clash = seen & prefixes
+    if clash:
+        raise ManifestError(f"path {sorted(clash)[0]!r} is both a file and a directory")
+    next_offset = {f.path: 0 for f in m.files}
+    for i, c in enumerate(m.chunks):
+        if c.index != i:
+            raise ManifestError(f"chunk at position {i} has index {c.index!r}; indices must be 0..n-1 in order")
+        if c.file not in next_offset:
+            raise ManifestError(f"chunk {i} refers to unknown file {c.file!r}")
+        if not _is_int(c.offset) or not _is_int(c.size):
+            raise ManifestError(f"chunk {i} offset and size must be integers")
+        if c.offset != next_offset[c.file]:
+            raise ManifestError(f"chunk {i} of {c.file!r} starts at {c.offset}, expected {next_offset[c.file]} "
+                                "(chunks must tile each file without gaps or overlaps)")
+        if not (1 <= c.size <= m.chunk_size):
+            raise ManifestError(f"chunk {i} size {c.size} is outside [1, chunk_size={m.chunk_size}]")
+        if not isinstance(c.digest, str) or not _HEX64.match(c.digest):
+            raise ManifestError(f"chunk {i} digest must be 64 lowercase hex characters")
+        next_offset[c.file] += c.size
+    for f in m.files:
+        if next_offset[f.path] != f.size:
+            raise ManifestError(f"file {f.path!r} declares {f.size} bytes but its chunks cover "
+                                f"{next_offset[f.path]}")
+
+
+def iter_file_pieces(path: Path, block: int = 4 * 1024 * 1024) -> Iterator[bytes]:
+    with open(path, "rb") as f:
+        while b := f.read(block):
+            yield b
+
+
+def summarize(m: Manifest) -> dict:
+    return {"model": m.model, "version": m.version, "version_id": m.digest, "files": len(m.files),
+            "chunks": len(m.chunks), "bytes": m.total_size, "chunk_size": m.chunk_size,
+            "created_at": m.created_at}
+
+
+def build_from_pieces(model: str, version: str, chunk_size: int,
+                      files: Iterable[tuple[str, Iterable[bytes]]]) -> Manifest:
+    """Build from (path, byte pieces) pairs in path order; used by the S3 builder."""
+    out_files, out_chunks = [], []
+    for path, pieces in files:
+        h = ChunkHasher(safe_relative_path(path), chunk_size, len(out_chunks))
+        for p in pieces:
+            h.update(p)
+        fe, cs = h.finish()
+        out_files.append(fe)
+        out_chunks.extend(cs)
+    return assemble(model, version, chunk_size, out_files, out_chunks)

@@ -1,0 +1,240 @@
+"""The chunk store: files assembled in place, one persistent bitmap per version.
+
+Layout under the store root::
+
+    versions/<version_id>/manifest.json   the signed manifest as received
+    versions/<version_id>/bitmap          one byte per chunk: 1 = verified and durable
+    versions/<version_id>/model/<path>    the checkpoint's own files, pre-allocated
+
+A bitmap byte is written only after the chunk's bytes matched the manifest digest and were
+fdatasync'ed, so after a crash every set bit is true and nothing verified is fetched again.
+"""
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import logging
+import os
+import shutil
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from peerd.manifest import Chunk, Manifest, parse_body
+
+log = logging.getLogger("peerd.store")
+
+
+class StoreError(RuntimeError):
+    pass
+
+
+class DiskFullError(StoreError):
+    """Not enough space for the version: an error state, distinct from slow."""
+
+
+class ChunkDigestMismatch(StoreError):
+    pass
+
+
+@dataclass(frozen=True)
+class ChunkLocation:
+    path: Path
+    offset: int
+    size: int
+
+
+def _raise_if_enospc(e: OSError, what: str) -> None:
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        raise DiskFullError(f"disk full while {what}: {e.strerror}; free space on the store volume "
+                            "or point peerd at a larger one (--store)") from e
+
+
+class VersionStore:
+    def __init__(self, root: Path, manifest: Manifest):
+        self.root = root
+        self.manifest = manifest
+        self.vid = manifest.digest
+        self.model_dir = root / "model"
+        self._lock = threading.Lock()
+        self._fds: dict[str, int] = {}
+        self._bitmap_fd: int | None = None
+        self.bits = np.zeros(len(manifest.chunks), dtype=bool)
+        self._digest_idx: dict[str, int] | None = None
+
+    # -- lifecycle
+    def prepare(self, signed_manifest: bytes, reserve_bytes: int = 0) -> None:
+        """Create directories, check space, pre-allocate files and load the bitmap (idempotent)."""
+        self.model_dir.mkdir(parents=True, exist_ok=True)
+        mpath = self.root / "manifest.json"
+        if not mpath.exists():
+            tmp = mpath.with_suffix(".tmp")
+            tmp.write_bytes(signed_manifest)
+            os.replace(tmp, mpath)
+        bpath = self.root / "bitmap"
+        n = len(self.manifest.chunks)
+        fd = os.open(bpath, os.O_RDWR | os.O_CREAT, 0o644)
+        if os.fstat(fd).st_size != n:
+            os.ftruncate(fd, n)
+        self._bitmap_fd = fd
+        raw = os.pread(fd, n, 0)
+        self.bits = np.frombuffer(raw, dtype=np.uint8).astype(bool).copy() if n else self.bits
+        need = 0
+        for f in self.manifest.files:
+            p = self.model_dir / f.path
+            have = p.stat().st_blocks * 512 if p.exists() else 0
+            need += max(0, f.size - have)
+        free = shutil.disk_usage(self.root).free
+        if need + reserve_bytes > free:
+            raise DiskFullError(f"version {self.vid[:12]} needs {need} more bytes (+{reserve_bytes} reserve) "
+                                f"but {self.root} has {free} free; free space or use a larger volume")
+        for f in self.manifest.files:
+            p = self.model_dir / f.path
+            p.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o644)
+            self._fds[f.path] = fd
+            try:
+                if f.size and os.fstat(fd).st_size != f.size:
+                    os.posix_fallocate(fd, 0, f.size)
+            except OSError as e:
+                _raise_if_enospc(e, f"pre-allocating {p}")
+                raise
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+        if self._bitmap_fd is not None:
+            os.close(self._bitmap_fd)
+            self._bitmap_fd = None
+
+    # -- queries
+    def has(self, index: int) -> bool:
+        return bool(self.bits[index])
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.bits.all())
+
+    def verified_bytes(self) -> int:
+        sizes = np.fromiter((c.size for c in self.manifest.chunks), dtype=np.int64, count=len(self.bits))
+        return int(sizes[self.bits].sum())
+
+    def location(self, index: int) -> ChunkLocation:
+        c = self.manifest.chunks[index]
+        return ChunkLocation(self.model_dir / c.file, c.offset, c.size)
+
+    def read_verified(self, index: int) -> bytes:
+        if not self.has(index):
+            raise StoreError(f"chunk {index} is not verified here")
+        c = self.manifest.chunks[index]
+        return os.pread(self._fds[c.file], c.size, c.offset)
+
+    def digest_index(self) -> dict[str, int]:
+        if self._digest_idx is None:
+            self._digest_idx = {}
+            for c in self.manifest.chunks:
+                self._digest_idx.setdefault(c.digest, c.index)
+        return self._digest_idx
+
+    # -- writes (blocking: call from a worker thread)
+    def commit_chunk(self, index: int, data: bytes | memoryview, digest: str | None = None) -> None:
+        """Write a chunk at its offset, make it durable, then set its bit.
+
+        ``digest`` is the hex digest the caller already computed while streaming (so bytes are
+        hashed once); when None it is computed here.
+        """
+        c = self.manifest.chunks[index]
+        if len(data) != c.size:
+            raise ChunkDigestMismatch(f"chunk {index}: got {len(data)} bytes, manifest says {c.size}")
+        if digest is None:
+            digest = hashlib.sha256(data).hexdigest()
+        if digest != c.digest:
+            raise ChunkDigestMismatch(f"chunk {index}: digest {digest[:16]}… does not match manifest "
+                                      f"{c.digest[:16]}…")
+        if self.bits[index]:
+            return
+        fd = self._fds[c.file]
+        try:
+            written = os.pwrite(fd, data, c.offset)
+            if written != c.size:
+                raise StoreError(f"short write of chunk {index}: {written} of {c.size} bytes")
+            os.fdatasync(fd)
+            os.pwrite(self._bitmap_fd, b"\x01", index)
+            os.fdatasync(self._bitmap_fd)
+        except OSError as e:
+            _raise_if_enospc(e, f"writing chunk {index}")
+            raise
+        with self._lock:
+            self.bits[index] = True
+
+    def verify_files(self) -> list[str]:
+        """Re-hash every file against the manifest's whole-file digests; return the bad paths."""
+        bad = []
+        for f in self.manifest.files:
+            h = hashlib.sha256()
+            with open(self.model_dir / f.path, "rb") as fh:
+                while b := fh.read(8 * 1024 * 1024):
+                    h.update(b)
+            if h.hexdigest() != f.digest:
+                bad.append(f.path)
+        return bad
+
+
+class ChunkStore:
+    """All versions on this host, plus the digest index used for delta rollouts."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        (self.root / "versions").mkdir(parents=True, exist_ok=True)
+        self.versions: dict[str, VersionStore] = {}
+
+    def open_version(self, manifest: Manifest, signed_manifest: bytes, reserve_bytes: int = 0) -> VersionStore:
+        vid = manifest.digest
+        if vid in self.versions:
+            return self.versions[vid]
+        vs = VersionStore(self.root / "versions" / vid, manifest)
+        vs.prepare(signed_manifest, reserve_bytes)
+        self.versions[vid] = vs
+        return vs
+
+    def stored_version_ids(self) -> list[str]:
+        return sorted(p.name for p in (self.root / "versions").iterdir() if (p / "manifest.json").exists())
+
+    def find_local_chunk(self, chunk: Chunk, exclude_vid: str) -> ChunkLocation | None:
+        """A verified chunk with the same digest and size in another stored version, if any."""
+        for vid in self.stored_version_ids():
+            if vid == exclude_vid:
+                continue
+            vs = self.versions.get(vid) or self._load_stored(vid)
+            if vs is None:
+                continue
+            idx = vs.digest_index().get(chunk.digest)
+            if idx is not None and vs.has(idx) and vs.manifest.chunks[idx].size == chunk.size:
+                return vs.location(idx)
+        return None
+
+    def _load_stored(self, vid: str) -> VersionStore | None:
+        d = self.root / "versions" / vid
+        try:
+            doc = json.loads((d / "manifest.json").read_bytes())
+            m = parse_body(doc["manifest"])  # signature was checked when it was first accepted
+            bits = np.frombuffer((d / "bitmap").read_bytes(), dtype=np.uint8).astype(bool)
+        except (OSError, ValueError, KeyError) as e:
+            log.warning("skipping unreadable stored version %s: %s", vid, e)
+            return None
+        if len(bits) != len(m.chunks):
+            return None
+        vs = VersionStore(d, m)
+        vs.bits = bits.copy()
+        return vs
+
+    def remove_version(self, vid: str) -> None:
+        vs = self.versions.pop(vid, None)
+        if vs:
+            vs.close()
+        shutil.rmtree(self.root / "versions" / vid, ignore_errors=False)
+
