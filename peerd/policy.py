@@ -94,6 +94,7 @@ class SwarmPolicy:
         self.tiebreak = self.rng.permutation(n).astype(np.int64)
         self.origin_reads = 0
         self.origin_active = 0
+        self.origin_backoff_until = 0.0
         self._plan: list[int] = []
         self._dirty = True
         self.missing = int(n - self.have.sum())
@@ -207,6 +208,9 @@ class SwarmPolicy:
                 del self.inflight[chunk]
                 self.inflight_mask[chunk] = False
         self._dirty = True
+        if source == ORIGIN:
+            self.origin_backoff_until = now + self.config.backoff_s
+            return []
         p = self.peers.get(source)
         if p is None:
             return []
@@ -303,7 +307,7 @@ class SwarmPolicy:
         if best_remote is not None and (self.import_mask[c] or now - self.first_seen[c] >= self.config.rack_grace_s):
             return best_remote
         if (self.avail[c] == 0 and self.origin_mask[c]
-                and self.origin_active < self.config.origin_inflight):
+                and self.origin_active < self.config.origin_inflight and now >= self.origin_backoff_until):
             return ORIGIN
         return None
 

@@ -1,0 +1,136 @@
+"""`weightcast bench swarm`: real peerd processes on 127.0.0.1, the origin in SeaweedFS.
+
+Every host is rate-limited to R up and down; origin reads are limited to R in total (R / seeders per
+seeding host, as one seed host's link would be). Time runs from the moment all hosts are told to
+fetch (daemons already up and gossiping) to each host holding the whole verified checkpoint.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import secrets
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from peerd import manifest as mf
+from peerd.client import PeerdClient
+from peerd.origin import OriginSpec, S3Origin
+from peerd.signing import generate_keypair, load_private_key
+from weightcast.checkpoint_random import write_random_checkpoint
+from weightcast.stack.peerd_proc import PeerdProc, fleet_args
+from weightcast.stack.ports import free_ports
+from weightcast.stack.seaweed import ACCESS_KEY, SECRET_KEY, SeaweedS3
+
+
+@dataclass
+class SwarmBenchConfig:
+    hosts: int = 8
+    size: int = 256 * 1024 * 1024
+    rate: float = 16 * 1024 * 1024
+    chunk: int = 1024 * 1024
+    kill: int = 0
+    corrupt_peers: int = 0
+    timeout: float = 600.0
+    workdir: Path | None = None
+
+
+def _verify_host(store: Path, m: mf.Manifest) -> tuple[bool, int]:
+    """(files identical to the source, chunks marked present whose bytes do not match)."""
+    vdir = store / "versions" / m.digest
+    bits = (vdir / "bitmap").read_bytes()
+    bad = 0
+    for c in m.chunks:
+        if bits[c.index]:
+            with open(vdir / "model" / c.file, "rb") as f:
+                f.seek(c.offset)
+                if hashlib.sha256(f.read(c.size)).hexdigest() != c.digest:
+                    bad += 1
+    ok = all(bits) and bad == 0
+    return ok, bad
+
+
+async def run_swarm_bench(cfg: SwarmBenchConfig, progress=None) -> dict:
+    work = Path(cfg.workdir or tempfile.mkdtemp(prefix="wc-bench-"))
+    s3 = SeaweedS3(work / "s3").start()
+    procs: list[PeerdProc] = []
+    try:
+        ckpt = write_random_checkpoint(work / "ckpt", cfg.size, files=3)
+        generate_keypair(work / "key.pem", work / "key.pub")
+        m = mf.build_from_directory(ckpt, "bench", "v1", cfg.chunk)
+        signed = mf.sign_manifest(m, load_private_key(work / "key.pem"))
+        spec = OriginSpec(s3.endpoint, s3.bucket, "bench/v1")
+        async with S3Origin(spec, ACCESS_KEY, SECRET_KEY) as o:
+            await o.ensure_bucket()
+            await o.upload_directory(ckpt)
+        token = secrets.token_hex(16)
+        ids = [f"h{i}" for i in range(cfg.hosts)]
+        ports = dict(zip(ids, free_ports(cfg.hosts)))
+        corrupt = set(ids[1:1 + cfg.corrupt_peers])
+        seeders = [i for i in ids if i not in corrupt]
+        for i in ids:
+            extra = ["--fault-corrupt-uploads"] if i in corrupt else []
+            args = fleet_args(i, ports, token=token, trusted_key=work / "key.pub", rate=cfg.rate,
+                              origin_rate=cfg.rate / len(seeders), extra=extra)
+            procs.append(PeerdProc(i, ports[i], work / "hosts" / i / "store", args, env=s3.env()))
+        for p in procs:
+            p.start()
+        await asyncio.sleep(1.5)   # let gossip introduce everyone before the clock starts
+        origin = {"endpoint": s3.endpoint, "bucket": s3.bucket, "prefix": "bench/v1"}
+        clients = [PeerdClient(p.addr, token) for p in procs]
+        for c in clients:
+            await c.__aenter__()
+        t0 = time.time()
+        await asyncio.gather(*(c.start_job(signed, origin, seeders) for c in clients))
+        lower = cfg.size / cfg.rate
+        victims = [p for p in procs if p.id not in corrupt][-cfg.kill:] if cfg.kill else []
+        killed: set[str] = set()
+        last: dict[str, dict] = {}
+        while True:
+            now = time.time() - t0
+            if victims and not killed and now > 0.4 * lower:
+                for v in victims:
+                    v.kill()
+                    killed.add(v.id)
+            sts = await asyncio.gather(*(c.job(m.digest) for p, c in zip(procs, clients) if p.id not in killed),
+                                       return_exceptions=True)
+            for p, st in zip([p for p in procs if p.id not in killed], sts):
+                if isinstance(st, dict):
+                    last[p.id] = st
+            live = [p.id for p in procs if p.id not in killed]
+            if progress:
+                progress(now, sum(last[i]["bytes_done"] for i in live if i in last), len(live) * cfg.size)
+            if all(i in last and last[i]["state"] in ("complete", "failed") for i in live):
+                break
+            if now > cfg.timeout:
+                raise TimeoutError(f"swarm not complete after {cfg.timeout}s")
+            await asyncio.sleep(0.1)
+        for c in clients:
+            await c.__aexit__(None, None, None)
+        survivors = [i for i in ids if i not in killed]
+        times = sorted(last[i]["finished"] - t0 for i in survivors if last[i]["state"] == "complete")
+        failed = [i for i in survivors if last[i]["state"] != "complete"]
+        origin_bytes = sum(st["bytes_by_source"]["origin"] for st in last.values())
+        checks = {i: _verify_host(work / "hosts" / i / "store", m) for i in survivors if i not in corrupt}
+        pct = lambda q: times[min(len(times) - 1, int(q * len(times)))] if times else None
+        return {"hosts": cfg.hosts, "size": cfg.size, "rate": cfg.rate, "chunk": cfg.chunk, "chunks": len(m.chunks),
+                "killed": sorted(killed), "corrupt_peers": sorted(corrupt), "failed": failed,
+                "lower_bound_s": lower, "p50_s": pct(0.5), "p90_s": pct(0.9), "max_s": times[-1] if times else None,
+                "ratio": (times[-1] / lower) if times else None,
+                "origin_copies": origin_bytes / m.total_size,
+                "all_verified": all(ok for ok, _ in checks.values()) and not failed,
+                "corrupt_chunks_accepted": sum(bad for _, bad in checks.values()),
+                "quarantines_reported": {i: None for i in corrupt}}
+    finally:
+        for p in procs:
+            p.stop()
+        s3.stop()
+        if cfg.workdir is None:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def main_json(cfg: SwarmBenchConfig) -> str:
+    return json.dumps(asyncio.run(run_swarm_bench(cfg)), indent=1)

@@ -1,0 +1,87 @@
+"""Run one peerd: ``python -m peerd --id h1 --store /var/lib/weightcast ...`` (see docs/peerd.md)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+from peerd.config import PeerdConfig
+from peerd.daemon import Daemon
+from peerd.logging_setup import setup
+
+
+def parse_peer(s: str) -> dict:
+    """id=http://host:port[@rack]"""
+    pid, _, rest = s.partition("=")
+    addr, _, rack = rest.partition("@")
+    if not pid or not addr:
+        raise argparse.ArgumentTypeError(f"peer {s!r} must look like id=http://host:port[@rack]")
+    return {"id": pid, "addr": addr, "rack": rack}
+
+
+def rate(s: str) -> float | None:
+    return None if s in ("", "0", "none") else float(s)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="peerd", description="weightcast per-host data-plane daemon")
+    ap.add_argument("--id", required=True, help="host id, unique in the fleet")
+    ap.add_argument("--store", required=True, type=Path, help="directory versions are assembled in")
+    ap.add_argument("--listen", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    ap.add_argument("--port", type=int, default=7700, help="port (0 = pick a free one; see --ready-file)")
+    ap.add_argument("--advertise", help="address peers use, default http://<listen>:<port>")
+    ap.add_argument("--rack", default="")
+    ap.add_argument("--token", default=os.environ.get("WEIGHTCAST_TOKEN", ""),
+                    help="cluster token (env WEIGHTCAST_TOKEN); empty disables peer auth")
+    ap.add_argument("--trusted-key", action="append", type=Path, default=[], help="Ed25519 public key (PEM)")
+    ap.add_argument("--peer", action="append", type=parse_peer, default=[], help="seed peer id=addr[@rack]")
+    ap.add_argument("--upload-rate", type=rate, default=None, help="bytes/s (default unlimited)")
+    ap.add_argument("--download-rate", type=rate, default=None, help="bytes/s (default unlimited)")
+    ap.add_argument("--origin-rate", type=rate, default=None, help="bytes/s of origin reads (default unlimited)")
+    ap.add_argument("--gossip-interval", type=float, default=1.0)
+    ap.add_argument("--have-interval", type=float, default=0.2)
+    ap.add_argument("--dead-after", type=float, default=5.0)
+    ap.add_argument("--reserve-bytes", type=int, default=0, help="free space to keep on the store volume")
+    ap.add_argument("--ready-file", type=Path, help="write {addr,id} JSON here once listening")
+    ap.add_argument("--fault-corrupt-uploads", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--log-level", default="INFO")
+    return ap
+
+
+def config_from_args(a) -> PeerdConfig:
+    return PeerdConfig(host_id=a.id, store=a.store, listen_host=a.listen, port=a.port, advertise=a.advertise,
+                       rack=a.rack, token=a.token, trusted_keys=a.trusted_key, seed_peers=a.peer,
+                       upload_rate=a.upload_rate, download_rate=a.download_rate, origin_rate=a.origin_rate,
+                       gossip_interval=a.gossip_interval, have_interval=a.have_interval, dead_after=a.dead_after,
+                       reserve_bytes=a.reserve_bytes, ready_file=a.ready_file,
+                       fault_corrupt_uploads=a.fault_corrupt_uploads)
+
+
+async def serve(cfg: PeerdConfig) -> None:
+    d = Daemon(cfg)
+    await d.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for s in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(s, stop.set)
+    await stop.wait()
+    await d.stop()
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
+    setup(a.log_level)
+    if not a.trusted_key:
+        print(json.dumps({"level": "ERROR", "msg": "no --trusted-key given: peerd would refuse every manifest"}),
+              file=sys.stderr)
+        return 2
+    asyncio.run(serve(config_from_args(a)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

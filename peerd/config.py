@@ -1,0 +1,33 @@
+"""peerd's configuration, with its defaults documented in one place (see docs/peerd.md)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from peerd.policy import PolicyConfig
+
+
+@dataclass
+class PeerdConfig:
+    host_id: str                                # unique in the fleet; the host worker's queue is host-<id>
+    store: Path                                 # where versions are assembled
+    listen_host: str = "127.0.0.1"
+    port: int = 7700                            # 0 picks a free port (written to ready_file)
+    advertise: str | None = None                # address peers use; default http://listen_host:port
+    rack: str = ""
+    token: str = ""                             # cluster token; empty disables auth (dev only)
+    trusted_keys: list[Path] = field(default_factory=list)
+    seed_peers: list[dict] = field(default_factory=list)   # [{id, addr, rack}]
+    upload_rate: float | None = None            # bytes/s; None = unlimited
+    download_rate: float | None = None
+    origin_rate: float | None = None            # bytes/s this host may read from the origin
+    max_uploads: int = 16                       # concurrent chunk uploads before answering 503 busy
+    gossip_interval: float = 1.0                # seconds between gossip rounds
+    gossip_fanout: int = 3                      # random peers per round (plus active swarm peers)
+    have_interval: float = 0.2                  # bitmap pushes to active peers while downloading
+    dead_after: float = 5.0                     # seconds without hearing from a peer → dead
+    max_active_peers: int = 32                  # peers a job's policy tracks
+    reserve_bytes: int = 0                      # free space to keep on the store volume
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    ready_file: Path | None = None
+    fault_corrupt_uploads: bool = False         # test-only fault injection: serve flipped bytes

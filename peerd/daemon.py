@@ -1,0 +1,186 @@
+"""The peerd process: its state (store, membership, jobs) and its background loops (gossip, sweep)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+import aiohttp
+from aiohttp import web
+
+from peerd import manifest as mf
+from peerd.config import PeerdConfig
+from peerd.job import FetchJob
+from peerd.membership import Membership
+from peerd.metrics import PeerdMetrics
+from peerd.origin import OriginSpec
+from peerd.ratelimit import TokenBucket
+from peerd.signing import load_public_key
+from peerd.store import ChunkStore
+from peerd.wire import WireError, check_gossip, pack_bits
+
+log = logging.getLogger("peerd")
+
+
+class Daemon:
+    def __init__(self, config: PeerdConfig):
+        self.config = config
+        self.store = ChunkStore(config.store)
+        self.trusted = [load_public_key(p) for p in config.trusted_keys]
+        self.metrics = PeerdMetrics()
+        self.jobs: dict[str, FetchJob] = {}
+        self.quarantined: dict[str, str] = {}
+        self.upload_bucket = TokenBucket(config.upload_rate)
+        self.download_bucket = TokenBucket(config.download_rate)
+        self.origin_bucket = TokenBucket(config.origin_rate)
+        self.uploads_active = 0
+        self.addr = config.advertise or ""
+        self.membership: Membership | None = None
+        self.http: aiohttp.ClientSession | None = None
+        self._loops: list[asyncio.Task] = []
+        self._announce = asyncio.Event()
+        self.runner: web.AppRunner | None = None
+
+    # ---------------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        from peerd.server import make_app
+        self.runner = web.AppRunner(make_app(self), access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, self.config.listen_host, self.config.port)
+        await site.start()
+        port = self.runner.addresses[0][1]
+        self.addr = self.config.advertise or f"http://{self.config.listen_host}:{port}"
+        me = {"id": self.config.host_id, "addr": self.addr, "rack": self.config.rack}
+        self.membership = Membership(me, self.config.dead_after)
+        for p in self.config.seed_peers:
+            self.membership.learn(p)
+        self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=3, sock_read=15),
+                                          connector=aiohttp.TCPConnector(limit=256))
+        self._resume_stored()
+        self._loops = [asyncio.create_task(self._gossip_loop(), name="gossip"),
+                       asyncio.create_task(self._sweep_loop(), name="sweep")]
+        if self.config.ready_file:
+            self.config.ready_file.write_text(json.dumps({"addr": self.addr, "id": self.config.host_id}))
+        log.info("peerd up", extra={"addr": self.addr, "host": self.config.host_id, "store": str(self.config.store)})
+
+    async def stop(self) -> None:
+        for t in self._loops + [j.task for j in self.jobs.values() if j.task]:
+            t.cancel()
+        await asyncio.gather(*self._loops, *[j.task for j in self.jobs.values() if j.task], return_exceptions=True)
+        if self.http:
+            await self.http.close()
+        if self.runner:
+            await self.runner.cleanup()
+        for vs in self.store.versions.values():
+            vs.close()
+
+    def _resume_stored(self) -> None:
+        """After a restart every stored version is served again; unfinished ones resume when re-submitted."""
+        for vid in self.store.stored_version_ids():
+            raw = (self.store.root / "versions" / vid / "manifest.json").read_bytes()
+            try:
+                m = mf.load_signed(raw, self.trusted)
+                self.store.open_version(m, raw)
+            except (mf.ManifestError, OSError) as e:
+                log.warning("not serving stored version %s: %s", vid[:12], e)
+
+    # ---------------------------------------------------------------- jobs
+    def submit(self, body: dict) -> FetchJob:
+        """Start (or attach to) the download of a signed manifest. Idempotent per version."""
+        raw = json.dumps(body["manifest"]).encode()
+        m = mf.load_signed(raw, self.trusted)
+        job = self.jobs.get(m.digest)
+        if job is not None and job.state != "failed":
+            return job
+        for p in body["peers"]:
+            self.membership.learn(p)
+        vs = self.store.open_version(m, raw, self.config.reserve_bytes)
+        origin = OriginSpec(**{k: v for k, v in body["origin"].items() if k in ("endpoint", "bucket", "prefix", "region")}) \
+            if body["origin"] else None
+        job = FetchJob(self, vs, origin, body["seeders"])
+        self.jobs[m.digest] = job
+        job.start()
+        self.announce_soon()
+        return job
+
+    def note_quarantine(self, peer_id: str, why: str) -> None:
+        self.quarantined[peer_id] = why
+        self.metrics.quarantined.set(len(self.quarantined))
+        for j in self.jobs.values():
+            if j.policy:
+                j._cancel(j.policy.quarantine(peer_id))
+
+    def auth_headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.config.token}"} if self.config.token else {}
+
+    # ---------------------------------------------------------------- gossip
+    def gossip_message(self) -> dict:
+        return {"from": self.membership.me,
+                "versions": {vid: pack_bits(vs.bits) for vid, vs in self.store.versions.items()},
+                "peers": self.membership.sample_peers(8)}
+
+    def absorb_gossip(self, msg: dict) -> None:
+        member, _ = self.membership.heard_from(msg["from"], msg["versions"])
+        for p in msg["peers"]:
+            self.membership.learn(p)
+        if member.id in self.quarantined:
+            return
+        for vid, packed in msg["versions"].items():
+            job = self.jobs.get(vid)
+            if job is not None:
+                try:
+                    job.on_bitmap(member.id, member.rack, packed)
+                except WireError as e:
+                    log.warning("bad bitmap from %s: %s", member.id, e)
+        self.metrics.peers_alive.set(len(self.membership.live()))
+
+    def announce_soon(self) -> None:
+        self._announce.set()
+
+    async def _gossip_to(self, member) -> None:
+        try:
+            async with self.http.post(f"{member.addr}/v1/gossip", json=self.gossip_message(),
+                                      headers=self.auth_headers(), timeout=aiohttp.ClientTimeout(total=3)) as r:
+                if r.status != 200:
+                    log.info("gossip refused", extra={"peer": member.id, "status": r.status})
+                    return
+                self.absorb_gossip(check_gossip(await r.json()))
+        except (aiohttp.ClientError, asyncio.TimeoutError, WireError, ValueError) as e:
+            log.debug("gossip to %s failed: %s", member.id, e)
+
+    async def _gossip_loop(self) -> None:
+        cfg = self.config
+        next_full = 0.0
+        while True:
+            now = time.monotonic()
+            fetching = any(j.state == "fetching" for j in self.jobs.values())
+            active = set()
+            for j in self.jobs.values():
+                if j.policy is not None and j.state == "fetching":
+                    active |= {p for p, s in j.policy.peers.items() if s.alive}
+            # while downloading, push bitmaps to the active swarm often (HAVE); otherwise gossip slowly
+            if now >= next_full or self._announce.is_set():
+                targets = self.membership.gossip_targets(cfg.gossip_fanout, active if fetching else set())
+                next_full = now + cfg.gossip_interval
+            else:
+                targets = [self.membership.members[i] for i in active if i in self.membership.members]
+            self._announce.clear()
+            await asyncio.gather(*(self._gossip_to(m) for m in targets))
+            interval = cfg.have_interval if (fetching or any(self._serving_others())) else cfg.gossip_interval
+            try:
+                await asyncio.wait_for(self._announce.wait(), timeout=interval)
+            except asyncio.TimeoutError:
+                pass
+
+    def _serving_others(self):
+        return (j for j in self.jobs.values() if j.state == "complete" and time.time() - (j.finished or 0) < 30)
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, self.config.dead_after / 4))
+            for m in self.membership.sweep():
+                log.info("peer declared dead", extra={"peer": m.id})
+                for j in self.jobs.values():
+                    j.on_peer_dead(m.id)
+            self.metrics.peers_alive.set(len(self.membership.live()))

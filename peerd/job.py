@@ -1,0 +1,261 @@
+"""One version's download on this host: drives the swarm policy with real I/O.
+
+The job is idempotent and resumable: it starts from the store's bitmap, copies chunks that an
+earlier version already holds, and asks the policy for everything else.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import aiohttp
+import numpy as np
+
+from peerd.manifest import Manifest
+from peerd.origin import OriginError, OriginSpec, S3Origin
+from peerd.policy import ORIGIN, Cancel, Request, SwarmPolicy
+from peerd.store import ChunkDigestMismatch, DiskFullError, VersionStore
+from peerd.wire import unpack_bits
+
+if TYPE_CHECKING:
+    from peerd.daemon import Daemon
+
+log = logging.getLogger("peerd.job")
+
+
+class PeerBusy(Exception):
+    pass
+
+
+class PeerMissing(Exception):
+    pass
+
+
+class FetchJob:
+    def __init__(self, daemon: "Daemon", vs: VersionStore, origin: OriginSpec | None, seeders: list[str]):
+        self.d = daemon
+        self.vs = vs
+        self.m: Manifest = vs.manifest
+        self.origin_spec = origin
+        self.seeders = seeders
+        self.state = "fetching"
+        self.error: dict | None = None
+        self.started = time.time()
+        self.finished: float | None = None
+        self.bytes = {"peer": 0, "origin": 0, "local": 0}
+        self.policy: SwarmPolicy | None = None
+        self._tasks: dict[tuple[int, str], asyncio.Task] = {}
+        self._wake = asyncio.Event()
+        self._origin: S3Origin | None = None
+        self.task: asyncio.Task | None = None
+        self._fatal: Exception | None = None
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        self.task = asyncio.create_task(self._run(), name=f"job-{self.vs.vid[:12]}")
+
+    async def _run(self) -> None:
+        try:
+            await self._copy_local()
+            if not self.vs.complete:
+                await self._swarm()
+            self.state, self.finished = "complete", time.time()
+            log.info("version complete", extra={"vid": self.vs.vid, "bytes": self.bytes,
+                                                "seconds": round(self.finished - self.started, 3)})
+            self.d.announce_soon()
+        except DiskFullError as e:
+            self._fail("disk_full", str(e))
+        except asyncio.CancelledError:
+            self._fail("cancelled", "job cancelled (daemon stopping or version removed)")
+            raise
+        except Exception as e:  # the job must end in a visible state, never vanish
+            log.exception("job failed")
+            self._fail("internal", f"{type(e).__name__}: {e}")
+        finally:
+            for t in self._tasks.values():
+                t.cancel()
+            if self._origin:
+                await self._origin.__aexit__(None, None, None)
+
+    def _fail(self, code: str, message: str) -> None:
+        self.state, self.finished = "failed", time.time()
+        self.error = {"code": code, "message": message}
+        log.error("job failed", extra={"vid": self.vs.vid, "code": code, "error": message})
+
+    async def _copy_local(self) -> None:
+        """Delta rollout: chunks whose digest an earlier stored version holds are copied, not fetched."""
+        for c in self.m.chunks:
+            if self.vs.has(c.index):
+                continue
+            loc = self.d.store.find_local_chunk(c, exclude_vid=self.vs.vid)
+            if loc is None:
+                continue
+            data = await asyncio.to_thread(_pread, loc.path, loc.offset, loc.size)
+            try:
+                await asyncio.to_thread(self.vs.commit_chunk, c.index, data)
+            except ChunkDigestMismatch:
+                log.warning("local copy of chunk %d did not verify; will fetch it", c.index)
+                continue
+            self.bytes["local"] += c.size
+            self.d.metrics.chunks.labels("local").inc()
+
+    # ---------------------------------------------------------------- the swarm loop
+    async def _swarm(self) -> None:
+        cfg = self.d.config
+        members = self.d.membership
+        rack_members = tuple(sorted([cfg.host_id] + [m.id for m in members.members.values() if m.rack == cfg.rack]))
+        self.policy = SwarmPolicy(me=cfg.host_id, n_chunks=len(self.m.chunks), rack=cfg.rack, have=self.vs.bits,
+                                  config=cfg.policy, seed=hash(cfg.host_id) & 0xFFFFFFFF,
+                                  seeders=tuple(self.seeders), rack_members=rack_members)
+        loop = asyncio.get_running_loop()
+        for m in members.members.values():
+            if m.dead:
+                self.policy.member_dead(m.id)
+            elif self.vs.vid in m.versions:
+                self.on_bitmap(m.id, m.rack, m.versions[self.vs.vid])
+        next_tick = loop.time() + 1.0
+        while not self.policy.complete:
+            if self._fatal:
+                raise self._fatal
+            now = loop.time()
+            for r in self.policy.next_requests(now):
+                self._tasks[(r.chunk, r.source)] = asyncio.create_task(self._fetch(r))
+            if now >= next_tick:
+                self.policy.tick(now)
+                next_tick = now + 1.0
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=0.25)
+            except asyncio.TimeoutError:
+                pass
+
+    # ---------------------------------------------------------------- events from the daemon
+    def on_bitmap(self, peer_id: str, rack: str, packed: str) -> None:
+        if self.policy is None or self.state != "fetching":
+            return
+        if peer_id not in self.policy.peers and len(self.policy.peers) >= self.d.config.max_active_peers:
+            return
+        self.policy.peer_bitmap(peer_id, unpack_bits(packed, len(self.m.chunks)),
+                                asyncio.get_running_loop().time(), rack=rack)
+        self._wake.set()
+
+    def on_peer_dead(self, peer_id: str) -> None:
+        if self.policy is not None:
+            self._cancel(self.policy.peer_dead(peer_id))
+            self._wake.set()
+
+    def _cancel(self, cancels: list[Cancel]) -> None:
+        for c in cancels:
+            t = self._tasks.pop((c.chunk, c.source), None)
+            if t is not None:
+                t.cancel()
+
+    # ---------------------------------------------------------------- one chunk
+    async def _fetch(self, r: Request) -> None:
+        c = self.m.chunks[r.chunk]
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        reason = None
+        try:
+            if r.source == ORIGIN:
+                data, digest = await self._from_origin(c)
+            else:
+                data, digest = await self._from_peer(r.source, c)
+            await asyncio.to_thread(self.vs.commit_chunk, r.chunk, data, digest)
+        except asyncio.CancelledError:
+            self.policy.chunk_failed(r.chunk, r.source, "cancelled", loop.time())
+            raise
+        except ChunkDigestMismatch as e:
+            reason = "corrupt"
+            if r.source == ORIGIN:
+                log.error("origin bytes do not match the signed manifest: %s", e)
+                reason = "error"
+            else:
+                log.warning("quarantining peer that served a bad chunk",
+                            extra={"peer": r.source, "chunk": r.chunk, "error": str(e)})
+                self.d.note_quarantine(r.source, str(e))
+        except PeerBusy:
+            reason = "busy"
+        except PeerMissing:
+            reason = "missing"
+        except DiskFullError as e:
+            self._fatal = e      # the swarm loop raises it: the job fails as disk_full
+            return
+        except (aiohttp.ClientError, asyncio.TimeoutError, OriginError, OSError) as e:
+            reason = "error"
+            log.info("chunk fetch failed", extra={"peer": r.source, "chunk": r.chunk, "error": str(e) or type(e).__name__})
+        finally:
+            self._tasks.pop((r.chunk, r.source), None)
+            self._wake.set()
+        now = loop.time()
+        if reason is not None:
+            self.d.metrics.failures.labels(reason).inc()
+            self._cancel(self.policy.chunk_failed(r.chunk, r.source, reason, now))
+            return
+        src = "origin" if r.source == ORIGIN else "peer"
+        self.bytes[src] += c.size
+        self.d.metrics.bytes_in.labels(src).inc(c.size)
+        self.d.metrics.chunks.labels(src).inc()
+        self.d.metrics.progress.labels(self.vs.vid[:12]).set(self.vs.bits.mean())
+        self._cancel(self.policy.chunk_done(r.chunk, r.source, c.size, now - t0, now))
+
+    async def _from_origin(self, c) -> tuple[bytes, str]:
+        if self.origin_spec is None:
+            raise OriginError("no origin configured for this version")
+        if self._origin is None:
+            self._origin = await S3Origin(self.origin_spec).__aenter__()
+
+        async def paced(n: int) -> None:
+            await self.d.origin_bucket.acquire(n)
+            await self.d.download_bucket.acquire(n)
+
+        data = await self._origin.read_range(c.file, c.offset, c.size, on_piece=paced)
+        return data, hashlib.sha256(data).hexdigest()
+
+    async def _from_peer(self, peer_id: str, c) -> tuple[bytes, str]:
+        member = self.d.membership.members.get(peer_id)
+        if member is None:
+            raise PeerMissing()
+        url = f"{member.addr}/v1/versions/{self.vs.vid}/chunks/{c.index}"
+        async with self.d.http.get(url, headers=self.d.auth_headers()) as resp:
+            if resp.status == 404:
+                raise PeerMissing()
+            if resp.status == 503:
+                raise PeerBusy()
+            if resp.status != 200:
+                raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status,
+                                                  message=f"peer {peer_id} answered {resp.status}")
+            h = hashlib.sha256()
+            buf = bytearray(c.size)
+            pos = 0
+            async for piece in resp.content.iter_chunked(256 * 1024):
+                if pos + len(piece) > c.size:
+                    raise ChunkDigestMismatch(f"peer sent more than the chunk's {c.size} bytes")
+                await self.d.download_bucket.acquire(len(piece))
+                buf[pos:pos + len(piece)] = piece
+                h.update(piece)   # hashed as it streams in: the bytes are hashed once
+                pos += len(piece)
+            if pos != c.size:
+                raise aiohttp.ClientPayloadError(f"short chunk: {pos} of {c.size} bytes")
+            return buf, h.hexdigest()
+
+    # ---------------------------------------------------------------- status
+    def status(self) -> dict:
+        now = asyncio.get_running_loop().time()
+        done = self.vs.verified_bytes()
+        return {"version_id": self.vs.vid, "model": self.m.model, "version": self.m.version,
+                "state": self.state, "error": self.error,
+                "chunks_total": len(self.m.chunks), "chunks_done": int(np.sum(self.vs.bits)),
+                "bytes_total": self.m.total_size, "bytes_done": done, "bytes_by_source": dict(self.bytes),
+                "origin_reads": self.policy.origin_reads if self.policy else 0,
+                "started": self.started, "finished": self.finished,
+                "peers": self.policy.peer_summary(now) if self.policy else []}
+
+
+def _pread(path, offset: int, size: int) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read(size)

@@ -1,0 +1,79 @@
+"""Membership without a coordinator: who is out there, what they hold, who is dead."""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Member:
+    id: str
+    addr: str
+    rack: str
+    last_heard: float = 0.0          # 0 = known only from a seed list or hearsay
+    dead: bool = False
+    versions: dict[str, str] = field(default_factory=dict)   # vid -> packed bitmap (as received)
+
+
+class Membership:
+    def __init__(self, me: dict, dead_after: float, clock=time.monotonic, rng: random.Random | None = None):
+        self.me = me
+        self.dead_after = dead_after
+        self.clock = clock
+        self.rng = rng or random.Random()
+        self.members: dict[str, Member] = {}
+        self.started = clock()
+
+    def learn(self, peer: dict) -> Member | None:
+        """A peer heard of (seed list or gossip hearsay); never overrides direct knowledge."""
+        if peer["id"] == self.me["id"]:
+            return None
+        m = self.members.get(peer["id"])
+        if m is None:
+            m = self.members[peer["id"]] = Member(peer["id"], peer["addr"], peer.get("rack", ""))
+        return m
+
+    def heard_from(self, peer: dict, versions: dict[str, str]) -> tuple[Member, bool]:
+        """Direct contact. Returns the member and whether it came back from the dead."""
+        m = self.learn(peer)
+        m.addr, m.rack = peer["addr"], peer.get("rack", "")
+        revived = m.dead
+        m.dead = False
+        m.last_heard = self.clock()
+        m.versions.update(versions)
+        return m, revived
+
+    def sweep(self) -> list[Member]:
+        """Mark members silent for ``dead_after`` as dead; return the newly dead."""
+        now = self.clock()
+        out = []
+        for m in self.members.values():
+            ref = m.last_heard or self.started
+            if not m.dead and now - ref > self.dead_after:
+                m.dead = True
+                out.append(m)
+        return out
+
+    def mark_dead(self, member_id: str) -> bool:
+        m = self.members.get(member_id)
+        if m and not m.dead:
+            m.dead = True
+            return True
+        return False
+
+    def live(self) -> list[Member]:
+        return [m for m in self.members.values() if not m.dead]
+
+    def gossip_targets(self, fanout: int, always: set[str]) -> list[Member]:
+        """``fanout`` random members (dead ones too, rarely, so a recovered host is found again)."""
+        live = [m for m in self.live() if m.id not in always]
+        dead = [m for m in self.members.values() if m.dead]
+        picks = self.rng.sample(live, min(fanout, len(live)))
+        if dead and self.rng.random() < 0.2:
+            picks.append(self.rng.choice(dead))
+        return picks + [self.members[i] for i in always if i in self.members and not self.members[i].dead]
+
+    def sample_peers(self, k: int) -> list[dict]:
+        live = self.live()
+        return [{"id": m.id, "addr": m.addr, "rack": m.rack} for m in self.rng.sample(live, min(k, len(live)))]

@@ -1,0 +1,17 @@
+"""Prometheus metrics for one peerd (own registry, so several daemons can live in one test process)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+
+class PeerdMetrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.bytes_in = Counter("peerd_download_bytes_total", "Verified bytes received", ["source"], registry=r)
+        self.bytes_out = Counter("peerd_upload_bytes_total", "Chunk bytes served to peers", registry=r)
+        self.chunks = Counter("peerd_chunks_verified_total", "Chunks verified and made durable", ["source"], registry=r)
+        self.failures = Counter("peerd_chunk_failures_total", "Failed chunk fetches", ["reason"], registry=r)
+        self.busy = Counter("peerd_upload_busy_total", "Uploads refused with 503 (at max_uploads)", registry=r)
+        self.quarantined = Gauge("peerd_quarantined_peers", "Peers quarantined for serving bad chunks", registry=r)
+        self.peers_alive = Gauge("peerd_peers_alive", "Members currently considered alive", registry=r)
+        self.progress = Gauge("peerd_version_progress_ratio", "Verified fraction of a version", ["version"], registry=r)

@@ -1,0 +1,127 @@
+"""The origin: object storage over the S3 API (AWS S3, SeaweedFS, MinIO, Ceph RGW, R2, GCS interop)."""
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+from aiobotocore.session import get_session
+from botocore.config import Config
+
+from peerd.manifest import ChunkHasher, Manifest, assemble, safe_relative_path
+
+
+class OriginError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class OriginSpec:
+    endpoint: str
+    bucket: str
+    prefix: str = ""
+    region: str = "us-east-1"
+
+    @classmethod
+    def parse_url(cls, url: str, endpoint: str) -> "OriginSpec":
+        if not url.startswith("s3://"):
+            raise OriginError(f"{url!r} is not an s3://bucket/prefix URL")
+        bucket, _, prefix = url[5:].partition("/")
+        return cls(endpoint=endpoint, bucket=bucket, prefix=prefix.strip("/"))
+
+    def key(self, path: str) -> str:
+        return f"{self.prefix}/{path}" if self.prefix else path
+
+
+class S3Origin:
+    """One client per daemon; credentials from the usual AWS variables (or explicit)."""
+
+    def __init__(self, spec: OriginSpec, access_key: str | None = None, secret_key: str | None = None):
+        self.spec = spec
+        self._session = get_session()
+        self._ak = access_key or os.environ.get("AWS_ACCESS_KEY_ID")
+        self._sk = secret_key or os.environ.get("AWS_SECRET_ACCESS_KEY")
+        self._stack = contextlib.AsyncExitStack()
+        self._client = None
+
+    async def __aenter__(self):
+        self._client = await self._stack.enter_async_context(self._session.create_client(
+            "s3", endpoint_url=self.spec.endpoint, region_name=self.spec.region,
+            aws_access_key_id=self._ak, aws_secret_access_key=self._sk,
+            config=Config(retries={"max_attempts": 3, "mode": "standard"}, max_pool_connections=32)))
+        return self
+
+    async def __aexit__(self, *exc):
+        await self._stack.aclose()
+
+    async def read_range(self, path: str, offset: int, size: int, on_piece=None) -> bytes:
+        """Read ``size`` bytes at ``offset``; ``on_piece(n)`` is awaited per piece (rate limiting)."""
+        try:
+            resp = await self._client.get_object(Bucket=self.spec.bucket, Key=self.spec.key(path),
+                                                 Range=f"bytes={offset}-{offset + size - 1}")
+        except Exception as e:  # botocore raises many types; all mean "origin read failed"
+            raise OriginError(f"origin read of {path}@{offset}+{size} failed: {e}") from e
+        buf = bytearray()
+        async with resp["Body"] as body:
+            while len(buf) < size:
+                piece = await body.read(256 * 1024)
+                if not piece:
+                    break
+                if on_piece:
+                    await on_piece(len(piece))
+                buf += piece
+        if len(buf) != size:
+            raise OriginError(f"origin returned {len(buf)} bytes for {path}@{offset}, expected {size}")
+        return bytes(buf)
+
+    async def put_file(self, path: str, local_path) -> None:
+        with open(local_path, "rb") as f:
+            await self._client.put_object(Bucket=self.spec.bucket, Key=self.spec.key(path), Body=f)
+
+    async def upload_directory(self, root) -> list[str]:
+        from pathlib import Path
+        root = Path(root)
+        paths = sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith("."))
+        for p in paths:
+            await self.put_file(p.relative_to(root).as_posix(), p)
+        return [p.relative_to(root).as_posix() for p in paths]
+
+    async def put_bytes(self, key: str, data: bytes) -> None:
+        await self._client.put_object(Bucket=self.spec.bucket, Key=key, Body=data)
+
+    async def ensure_bucket(self) -> None:
+        try:
+            await self._client.head_bucket(Bucket=self.spec.bucket)
+        except Exception:
+            await self._client.create_bucket(Bucket=self.spec.bucket)
+
+    async def list_files(self) -> list[tuple[str, int]]:
+        out = []
+        prefix = self.spec.key("") if self.spec.prefix else ""
+        paginator = self._client.get_paginator("list_objects_v2")
+        async for page in paginator.paginate(Bucket=self.spec.bucket, Prefix=prefix):
+            for o in page.get("Contents", []):
+                rel = o["Key"][len(prefix):]
+                if rel and not rel.rsplit("/", 1)[-1].startswith("."):
+                    out.append((rel, o["Size"]))
+        return sorted(out)
+
+    async def build_manifest(self, model: str, version: str, chunk_size: int) -> Manifest:
+        """Stream every object once through the chunk hasher; nothing lands on local disk."""
+        files, chunks = [], []
+        listing = await self.list_files()
+        if not listing:
+            raise OriginError(f"s3://{self.spec.bucket}/{self.spec.prefix} holds no files")
+        for rel, size in listing:
+            h = ChunkHasher(safe_relative_path(rel), chunk_size, len(chunks))
+            resp = await self._client.get_object(Bucket=self.spec.bucket, Key=self.spec.key(rel))
+            async with resp["Body"] as body:
+                while piece := await body.read(4 * 1024 * 1024):
+                    h.update(piece)
+            fe, cs = h.finish()
+            if fe.size != size:
+                raise OriginError(f"{rel}: listed {size} bytes but read {fe.size}; was it overwritten?")
+            files.append(fe)
+            chunks.extend(cs)
+        return assemble(model, version, chunk_size, files, chunks)
+

@@ -1,0 +1,171 @@
+"""peerd's HTTP API (aiohttp). Every input is size-limited and schema-checked; errors are JSON 4xx."""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import os
+import re
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from peerd.manifest import ManifestError
+from peerd.store import DiskFullError, StoreError
+from peerd.wire import MAX_GOSSIP_BYTES, MAX_JOB_BYTES, WireError, check_gossip, check_job, check_vid, pack_bits
+
+log = logging.getLogger("peerd.http")
+_RANGE = re.compile(r"^bytes=(\d+)-(\d*)$")
+
+
+def _error(status: int, message: str, **extra) -> web.Response:
+    return web.json_response({"error": message, **extra}, status=status)
+
+
+def make_app(daemon) -> web.Application:
+    @web.middleware
+    async def guard(request: web.Request, handler):
+        if request.path.startswith("/v1/") and daemon.config.token:
+            got = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(got.encode(), f"Bearer {daemon.config.token}".encode()):
+                return _error(401, "missing or wrong cluster token (Authorization: Bearer <token>)")
+        try:
+            return await handler(request)
+        except web.HTTPException as e:
+            if e.status >= 400 and e.content_type != "application/json":
+                return _error(e.status, e.reason)
+            raise
+        except WireError as e:
+            return _error(400, str(e))
+
+    app = web.Application(middlewares=[guard], client_max_size=MAX_JOB_BYTES)
+    d = daemon
+
+    async def read_json(request: web.Request, limit: int):
+        if request.content_length is not None and request.content_length > limit:
+            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
+        raw = await request.content.read(limit + 1)
+        if len(raw) > limit:
+            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(raw))
+        try:
+            return json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise WireError(f"body is not valid JSON: {e}") from None
+
+    async def healthz(_):
+        return web.json_response({"ok": True, "host": d.config.host_id})
+
+    async def metrics(_):
+        return web.Response(body=generate_latest(d.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def submit_job(request):
+        body = check_job(await read_json(request, MAX_JOB_BYTES))
+        try:
+            job = d.submit(body)
+        except ManifestError as e:
+            return _error(422, f"manifest refused: {e}")
+        except DiskFullError as e:
+            return _error(507, str(e), code="disk_full")
+        return web.json_response(job.status(), status=202)
+
+    def job_for(request):
+        vid = check_vid(request.match_info["vid"])
+        job = d.jobs.get(vid)
+        if job is None:
+            raise web.HTTPNotFound(reason=f"no job for version {vid[:12]}… on {d.config.host_id}; POST /v1/jobs first")
+        return job
+
+    async def job_status(request):
+        return web.json_response(job_for(request).status())
+
+    async def status(_):
+        return web.json_response({
+            "host": d.config.host_id, "addr": d.addr, "rack": d.config.rack,
+            "jobs": [j.status() for j in d.jobs.values()],
+            "stored_versions": sorted(d.store.versions),
+            "members": [{"id": m.id, "addr": m.addr, "rack": m.rack, "dead": m.dead}
+                        for m in d.membership.members.values()],
+            "quarantined": d.quarantined, "uploads_active": d.uploads_active})
+
+    def version_store(request):
+        vid = check_vid(request.match_info["vid"])
+        vs = d.store.versions.get(vid)
+        if vs is None:
+            raise web.HTTPNotFound(reason=f"version {vid[:12]}… is not stored on {d.config.host_id}")
+        return vs
+
+    async def bitmap(request):
+        vs = version_store(request)
+        return web.json_response({"version_id": vs.vid, "chunks": len(vs.bits), "bits": pack_bits(vs.bits)})
+
+    async def chunk(request):
+        vs = version_store(request)
+        try:
+            index = int(request.match_info["index"])
+        except ValueError:
+            raise WireError("chunk index must be an integer") from None
+        if not 0 <= index < len(vs.bits):
+            return _error(400, f"chunk index {index} out of range [0, {len(vs.bits)})")
+        if not vs.has(index):   # only verified chunks ever leave this host
+            return _error(404, f"chunk {index} is not verified here yet")
+        loc = vs.location(index)
+        start, end = 0, loc.size - 1
+        rng = request.headers.get("Range")
+        if rng:
+            mt = _RANGE.match(rng)
+            if not mt:
+                return _error(416, f"unsupported Range {rng!r}; use bytes=a-b")
+            start = int(mt.group(1))
+            end = min(int(mt.group(2)) if mt.group(2) else loc.size - 1, loc.size - 1)
+            if start > end:
+                return _error(416, f"Range {rng!r} is outside the chunk's {loc.size} bytes")
+        if d.uploads_active >= d.config.max_uploads:
+            d.metrics.busy.inc()
+            return _error(503, "upload slots full; try another peer")
+        count = end - start + 1
+        d.uploads_active += 1
+        try:
+            await d.upload_bucket.acquire(count)
+            resp = web.StreamResponse(status=206 if rng else 200, headers={
+                "Content-Type": "application/octet-stream", "Content-Length": str(count),
+                **({"Content-Range": f"bytes {start}-{end}/{loc.size}"} if rng else {})})
+            await resp.prepare(request)
+            if d.config.fault_corrupt_uploads:
+                data = bytearray(vs.read_verified(index)[start:end + 1])
+                data[0] ^= 0xFF
+                await resp.write(bytes(data))
+            else:
+                with open(loc.path, "rb") as f:   # sendfile: the kernel copies, Python does not
+                    await asyncio.get_running_loop().sendfile(request.transport, f, loc.offset + start, count)
+            d.metrics.bytes_out.inc(count)
+            return resp
+        except (ConnectionError, OSError, StoreError) as e:
+            log.info("upload aborted", extra={"chunk": index, "error": str(e)})
+            raise
+        finally:
+            d.uploads_active -= 1
+
+    async def gossip(request):
+        msg = check_gossip(await read_json(request, MAX_GOSSIP_BYTES))
+        d.absorb_gossip(msg)
+        return web.json_response(d.gossip_message())
+
+    async def remove(request):
+        vs = version_store(request)
+        job = d.jobs.pop(vs.vid, None)
+        if job and job.task:
+            job.task.cancel()
+        d.store.remove_version(vs.vid)
+        return web.json_response({"removed": vs.vid})
+
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_post("/v1/jobs", submit_job)
+    app.router.add_get("/v1/jobs/{vid}", job_status)
+    app.router.add_get("/v1/status", status)
+    app.router.add_get("/v1/versions/{vid}/bitmap", bitmap)
+    app.router.add_get("/v1/versions/{vid}/chunks/{index}", chunk)
+    app.router.add_delete("/v1/versions/{vid}", remove)
+    app.router.add_post("/v1/gossip", gossip)
+    return app
