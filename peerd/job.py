@@ -210,7 +210,7 @@ class FetchJob:
 
         async def paced(n: int) -> None:
             await self.d.origin_bucket.acquire(n)
-            await self.d.download_bucket.acquire(n)
+            await self.d.download_bucket.acquire(n, priority=True)
 
         data = await self._origin.read_range(c.file, c.offset, c.size, on_piece=paced)
         return data, hashlib.sha256(data).hexdigest()

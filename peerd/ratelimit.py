@@ -19,13 +19,22 @@ class TokenBucket:
         self.stamp = time.monotonic()
         self._lock = asyncio.Lock()
 
-    async def acquire(self, n: int) -> None:
+    def _charge(self, n: int) -> float:
+        now = time.monotonic()
+        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+        self.tokens -= n
+        return max(0.0, -self.tokens / self.rate)
+
+    async def acquire(self, n: int, priority: bool = False) -> None:
+        """Wait until ``n`` bytes may pass. ``priority`` skips the queue but still pays (the total rate
+        holds; the others wait longer): origin reads use it so the fleet's scarcest link never idles."""
         if not self.rate:
             return
+        if priority:
+            await asyncio.sleep(self._charge(n))
+            return
         async with self._lock:   # FIFO: one waiter at a time pays its debt
-            now = time.monotonic()
-            self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
-            self.stamp = now
-            self.tokens -= n
-            if self.tokens < 0:
-                await asyncio.sleep(-self.tokens / self.rate)
+            wait = self._charge(n)
+            if wait:
+                await asyncio.sleep(wait)

@@ -1,0 +1,34 @@
+from __future__ import annotations
+
+import pytest
+
+from peerd import manifest as mf
+from peerd.signing import generate_keypair, load_private_key, load_public_key
+from weightcast.checkpoint_random import write_random_checkpoint
+from weightcast.stack.seaweed import SeaweedS3
+
+
+@pytest.fixture(scope="session")
+def keys(tmp_path_factory):
+    d = tmp_path_factory.mktemp("keys")
+    generate_keypair(d / "k.pem", d / "k.pub")
+    return {"private": load_private_key(d / "k.pem"), "public": load_public_key(d / "k.pub"),
+            "pub_path": d / "k.pub", "priv_path": d / "k.pem"}
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    return write_random_checkpoint(tmp_path / "ckpt", 3 * 1024 * 1024 + 12345, files=3, seed=7)
+
+
+@pytest.fixture
+def signed(checkpoint, keys):
+    m = mf.build_from_directory(checkpoint, "tiny", "v1", chunk_size=256 * 1024)
+    return m, mf.sign_manifest(m, keys["private"])
+
+
+@pytest.fixture(scope="session")
+def seaweed(tmp_path_factory):
+    s3 = SeaweedS3(tmp_path_factory.mktemp("s3")).start()
+    yield s3
+    s3.stop()

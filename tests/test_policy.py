@@ -1,0 +1,195 @@
+"""The swarm policy on its own: no sockets, no clock, seeded randomness."""
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from peerd.policy import ORIGIN, Cancel, PolicyConfig, Request, SwarmPolicy
+
+
+def bits(n, idx):
+    b = np.zeros(n, bool)
+    b[list(idx)] = True
+    return b
+
+
+def pol(n=10, **kw):
+    cfg = kw.pop("config", PolicyConfig(random_first=0))
+    return SwarmPolicy(me="me", n_chunks=n, config=cfg, **kw)
+
+
+def test_rarest_first():
+    p = pol(4, config=PolicyConfig(random_first=0, max_inflight=1))
+    p.peer_bitmap("a", bits(4, [0, 1, 2]), 0)
+    p.peer_bitmap("b", bits(4, [0, 1]), 0)
+    p.peer_bitmap("c", bits(4, [0]), 0)
+    assert p.next_requests(0) == [Request(2, "a")]   # chunk 2 is held by one peer only
+
+
+def test_random_first_then_rarest_and_seeded_determinism():
+    def run(seed):
+        p = pol(50, config=PolicyConfig(random_first=2, max_inflight=1), seed=seed)
+        p.peer_bitmap("a", np.ones(50, bool), 0)
+        return p.next_requests(0)[0].chunk
+    firsts = {run(s) for s in range(20)}
+    assert len(firsts) > 5                      # random among equals
+    assert run(3) == run(3)                     # and reproducible
+
+
+def test_caps_per_host_and_per_peer():
+    p = pol(20, config=PolicyConfig(random_first=0, max_inflight=5, max_per_peer=2))
+    for peer in ("a", "b"):
+        p.peer_bitmap(peer, np.ones(20, bool), 0)
+    reqs = p.next_requests(0)
+    assert len(reqs) == 4                       # 2 peers x 2 per peer < 5 per host
+    assert {r.source for r in reqs} == {"a", "b"}
+    assert p.next_requests(0) == []
+    p.chunk_done(reqs[0].chunk, reqs[0].source, 100, 0.1, 0.1)
+    again = p.next_requests(0.1)
+    assert len(again) == 1 and again[0].source == reqs[0].source
+    assert not any(r.chunk in {x.chunk for x in reqs} for r in again)
+
+
+def test_same_rack_preferred_and_cross_rack_striped():
+    p = pol(8, rack="r1", rack_members=("me", "m2"), config=PolicyConfig(random_first=0, max_inflight=8,
+                                                                           max_per_peer=8, rack_grace_s=5))
+    p.peer_bitmap("far", np.ones(8, bool), 0, rack="r2")
+    p.peer_bitmap("near", bits(8, [0]), 0, rack="r1")
+    reqs = {r.chunk: r.source for r in p.next_requests(0)}
+    assert reqs[0] == "near"
+    # of the rest, only the chunks this host is designated to import come cross-rack now
+    assert set(reqs) - {0} == {c for c in range(1, 8) if p.import_mask[c]}
+    later = {r.chunk for r in p.next_requests(6)}       # after the grace, the rest too
+    assert later == set(range(1, 8)) - set(reqs)
+
+
+def test_origin_only_for_own_stripe_and_only_when_no_peer_has_it():
+    p = pol(6, seeders=("me", "s2"), config=PolicyConfig(random_first=0, max_inflight=6, origin_inflight=6))
+    p.peer_bitmap("s2", bits(6, [0]), 0)
+    reqs = p.next_requests(0)
+    origin = {r.chunk for r in reqs if r.source == ORIGIN}
+    mine = {c for c in range(6) if p.origin_mask[c]}
+    assert origin == mine - {0}
+    assert Request(0, "s2") in reqs or 0 not in mine
+
+
+def test_dead_seeder_stripe_moves_to_the_living():
+    p = pol(6, seeders=("me", "s2"), config=PolicyConfig(random_first=0, max_inflight=6, origin_inflight=6))
+    assert p.origin_mask.sum() == 3
+    p.member_dead("s2")
+    assert p.origin_mask.all()
+
+
+def test_corrupt_peer_is_quarantined_and_never_asked_again():
+    p = pol(4, config=PolicyConfig(random_first=0, max_inflight=4, max_per_peer=4))
+    p.peer_bitmap("bad", np.ones(4, bool), 0)
+    p.peer_bitmap("good", bits(4, [0]), 0)
+    reqs = p.next_requests(0)
+    bad = [r for r in reqs if r.source == "bad"]
+    cancels = p.chunk_failed(bad[0].chunk, "bad", "corrupt", 1)
+    assert {c.source for c in cancels} == {"bad"}          # its other requests are cancelled too
+    assert p.peers["bad"].quarantined
+    p.peer_bitmap("bad", np.ones(4, bool), 2)              # gossip cannot rehabilitate it
+    assert all(r.source != "bad" for r in p.next_requests(3))
+
+
+def test_missing_clears_a_stale_view():
+    p = pol(2, config=PolicyConfig(random_first=0, max_inflight=1))
+    p.peer_bitmap("a", bits(2, [1]), 0)
+    [r] = p.next_requests(0)
+    p.chunk_failed(r.chunk, "a", "missing", 0.1)
+    assert p.avail[1] == 0 and p.next_requests(0.2) == []
+
+
+def test_repeated_errors_declare_a_peer_dead_and_free_its_chunks():
+    p = pol(3, config=PolicyConfig(random_first=0, max_inflight=3, max_errors=2, backoff_s=0.01))
+    p.peer_bitmap("a", np.ones(3, bool), 0)
+    p.peer_bitmap("b", np.ones(3, bool), 0)
+    t = 0.0
+    while p.peers["a"].alive:
+        t += 1
+        for r in p.next_requests(t):
+            if r.source == "a":
+                p.chunk_failed(r.chunk, "a", "error", t)
+            else:
+                p.chunk_failed(r.chunk, r.source, "cancelled", t)
+    assert p.avail.tolist() == [1, 1, 1]
+    assert all(r.source == "b" for r in p.next_requests(t + 1))
+
+
+def test_slow_peer_is_evicted_then_retried():
+    p = pol(100, config=PolicyConfig(random_first=0, max_inflight=40, max_per_peer=10, backoff_s=5, min_samples=3))
+    for peer in "abcd":
+        p.peer_bitmap(peer, np.ones(100, bool), 0)
+    for _ in range(3):
+        for r in p.next_requests(0):
+            secs = 10.0 if r.source == "d" else 0.1
+            p.chunk_done(r.chunk, r.source, 1000, secs, 0)
+    p.tick(1)
+    assert not p.peers["d"].usable(1) and p.peers["a"].usable(1)
+    assert all(r.source != "d" for r in p.next_requests(2))
+    assert p.peers["d"].usable(7)
+
+
+def test_endgame_duplicates_and_cancels_the_loser():
+    p = pol(2, config=PolicyConfig(random_first=0, max_inflight=2, max_per_peer=1, endgame_chunks=2))
+    p.peer_bitmap("a", np.ones(2, bool), 0)
+    p.peer_bitmap("b", np.ones(2, bool), 0)
+    first = p.next_requests(0)
+    assert len(first) == 2
+    p.chunk_done(first[0].chunk, first[0].source, 10, 0.1, 0.1)
+    dup = p.next_requests(0.2)
+    assert dup == [Request(first[1].chunk, first[0].source)]
+    cancels = p.chunk_done(first[1].chunk, first[0].source, 10, 0.1, 0.3)
+    assert cancels == [Cancel(first[1].chunk, first[1].source)]
+    assert p.complete
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["req", "done", "fail", "dead", "bitmap", "tick"]),
+                          st.integers(0, 3), st.sampled_from(["busy", "missing", "error", "corrupt"]),
+                          st.integers(0, 2**16)), max_size=60))
+def test_invariants_under_random_events(events):
+    n = 16
+    cfg = PolicyConfig(random_first=1, max_inflight=4, max_per_peer=2, endgame_chunks=3)
+    p = SwarmPolicy(me="me", n_chunks=n, config=cfg, seed=5, seeders=("me", "p0"))
+    peers = [f"p{i}" for i in range(4)]
+    live_reqs: list[Request] = []
+    t = 0.0
+    for kind, i, reason, mask in events:
+        t += 0.1
+        peer = peers[i]
+        if kind == "bitmap":
+            p.peer_bitmap(peer, np.array([(mask >> k) & 1 for k in range(n)], bool), t)
+        elif kind == "req":
+            for r in p.next_requests(t):
+                assert not p.have[r.chunk]
+                if r.source != ORIGIN:
+                    ps = p.peers[r.source]
+                    assert ps.alive and not ps.quarantined and ps.bits[r.chunk]
+                else:
+                    assert p.origin_mask[r.chunk]
+                live_reqs.append(r)
+        elif kind == "done" and live_reqs:
+            r = live_reqs.pop(0)
+            if r.source in p.inflight.get(r.chunk, ()):
+                for c in p.chunk_done(r.chunk, r.source, 1, 0.1, t):
+                    live_reqs.remove(Request(c.chunk, c.source))
+        elif kind == "fail" and live_reqs:
+            r = live_reqs.pop(0)
+            if r.source in p.inflight.get(r.chunk, ()):
+                for c in p.chunk_failed(r.chunk, r.source, reason, t):
+                    live_reqs.remove(Request(c.chunk, c.source))
+        elif kind == "dead":
+            for c in p.peer_dead(peer):
+                live_reqs.remove(Request(c.chunk, c.source))
+        elif kind == "tick":
+            p.tick(t)
+        # bookkeeping always agrees with what is really outstanding
+        assert len(p.inflight) <= cfg.max_inflight
+        assert sorted((r.chunk, r.source) for r in live_reqs) == sorted(
+            (c, s) for c, srcs in p.inflight.items() for s in srcs)
+        for pid, ps in p.peers.items():
+            assert ps.inflight == sum(1 for r in live_reqs if r.source == pid) <= cfg.max_per_peer
+        usable = [ps.bits for ps in p.peers.values() if ps.alive and not ps.quarantined]
+        assert p.avail.tolist() == (np.sum(usable, axis=0) if usable else np.zeros(n)).tolist()
+        assert p.missing == n - int(p.have.sum())

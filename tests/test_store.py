@@ -1,0 +1,67 @@
+import json
+
+import numpy as np
+import pytest
+
+from peerd.store import ChunkDigestMismatch, ChunkStore, DiskFullError
+
+
+def chunk_bytes(checkpoint, c):
+    with open(checkpoint / c.file, "rb") as f:
+        f.seek(c.offset)
+        return f.read(c.size)
+
+
+def test_verified_chunks_persist_across_reopen(tmp_path, signed, checkpoint):
+    m, doc = signed
+    raw = json.dumps(doc).encode()
+    vs = ChunkStore(tmp_path / "s").open_version(m, raw)
+    for c in m.chunks[::2]:
+        vs.commit_chunk(c.index, chunk_bytes(checkpoint, c))
+    vs.close()
+    vs2 = ChunkStore(tmp_path / "s").open_version(m, raw)
+    assert vs2.bits.tolist() == [i % 2 == 0 for i in range(len(m.chunks))]
+    for c in m.chunks[1::2]:
+        vs2.commit_chunk(c.index, chunk_bytes(checkpoint, c))
+    assert vs2.complete and vs2.verify_files() == []
+    # files are assembled in place: the original bytes, ready to memory-map
+    for f in m.files:
+        assert (vs2.model_dir / f.path).read_bytes() == (checkpoint / f.path).read_bytes()
+
+
+def test_bad_digest_never_sets_the_bit(tmp_path, signed, checkpoint):
+    m, doc = signed
+    vs = ChunkStore(tmp_path / "s").open_version(m, json.dumps(doc).encode())
+    c = m.chunks[0]
+    bad = bytearray(chunk_bytes(checkpoint, c))
+    bad[10] ^= 1
+    with pytest.raises(ChunkDigestMismatch):
+        vs.commit_chunk(0, bytes(bad))
+    with pytest.raises(ChunkDigestMismatch):
+        vs.commit_chunk(0, chunk_bytes(checkpoint, c)[:-1])
+    assert not vs.has(0)
+    assert (vs.root / "bitmap").read_bytes()[0] == 0
+
+
+def test_disk_full_is_a_clear_error(tmp_path, signed):
+    m, doc = signed
+    with pytest.raises(DiskFullError, match="needs .* free"):
+        ChunkStore(tmp_path / "s").open_version(m, json.dumps(doc).encode(), reserve_bytes=1 << 60)
+
+
+def test_chunks_of_an_earlier_version_are_found_locally(tmp_path, signed, checkpoint, keys):
+    from peerd import manifest as mf
+    m, doc = signed
+    store = ChunkStore(tmp_path / "s")
+    vs = store.open_version(m, json.dumps(doc).encode())
+    for c in m.chunks:
+        vs.commit_chunk(c.index, chunk_bytes(checkpoint, c))
+    # v2 changes only the last file
+    last = checkpoint / m.files[-1].path
+    last.write_bytes(np.random.default_rng(1).integers(0, 256, 300_000, dtype=np.uint8).tobytes())
+    m2 = mf.build_from_directory(checkpoint, "tiny", "v2", chunk_size=m.chunk_size)
+    store2 = ChunkStore(tmp_path / "s")   # a restarted daemon finds v1 on disk
+    found = [store2.find_local_chunk(c, exclude_vid=m2.digest) for c in m2.chunks]
+    same = [c for c in m2.chunks if c.file != m.files[-1].path]
+    assert all(found[c.index] is not None for c in same)
+    assert all(found[c.index] is None for c in m2.chunks if c.file == m.files[-1].path)

@@ -1,0 +1,207 @@
+"""The `weightcast` command line."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+from peerd import manifest as mf
+from peerd.signing import KeyError_, generate_keypair, load_private_key, load_public_key
+
+SIZE_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
+
+
+def parse_size(s: str) -> int:
+    """'256M', '64MiB', '400G', '1048576' → bytes (binary units)."""
+    t = s.strip().lower().removesuffix("ib").removesuffix("b")
+    unit = t[-1] if t and t[-1] in SIZE_UNITS else ""
+    try:
+        return int(float(t[:-1] if unit else t) * SIZE_UNITS[unit])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a size like 256M, 64MiB or 400G") from None
+
+
+def parse_rate(s: str) -> float:
+    """'16M' (bytes/s), '10Gbit' (bits/s) → bytes/s."""
+    t = s.strip().lower()
+    if t.endswith("bit"):
+        num, unit = t[:-3], ""
+        if num and num[-1] in "kmgt":
+            num, unit = num[:-1], num[-1]
+        return float(num) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[unit] / 8
+    return float(parse_size(s))
+
+
+class Progress:
+    """A one-line progress bar on stderr (plain lines when stderr is not a terminal)."""
+
+    def __init__(self, label: str):
+        self.label, self.tty, self.last = label, sys.stderr.isatty(), -1
+
+    def __call__(self, elapsed: float, done: float, total: float) -> None:
+        frac = done / total if total else 0
+        if self.tty:
+            bar = "#" * int(frac * 30)
+            sys.stderr.write(f"\r{self.label} [{bar:<30}] {frac:6.1%} {elapsed:6.1f}s")
+            sys.stderr.flush()
+        elif int(frac * 10) != self.last:
+            self.last = int(frac * 10)
+            print(f"{self.label}: {frac:.0%} after {elapsed:.1f}s", file=sys.stderr)
+
+    def close(self) -> None:
+        if self.tty:
+            sys.stderr.write("\n")
+
+
+def cmd_keys_generate(a) -> int:
+    generate_keypair(a.out / "manifest-signing.pem", a.out / "manifest-signing.pub")
+    print(json.dumps({"private_key": str(a.out / "manifest-signing.pem"),
+                      "public_key": str(a.out / "manifest-signing.pub")}))
+    return 0
+
+
+def cmd_manifest_build(a) -> int:
+    if a.source.startswith("s3://"):
+        from peerd.origin import OriginSpec, S3Origin
+
+        async def build():
+            async with S3Origin(OriginSpec.parse_url(a.source, a.endpoint)) as o:
+                return await o.build_manifest(a.model, a.version, a.chunk_size)
+        if not a.endpoint:
+            raise SystemExit("building from s3:// needs --endpoint (or set AWS_ENDPOINT_URL)")
+        m = asyncio.run(build())
+    else:
+        m = mf.build_from_directory(Path(a.source), a.model, a.version, a.chunk_size)
+    data = mf.signed_bytes(m, load_private_key(a.key))
+    a.out.write_bytes(data)
+    print(json.dumps({**mf.summarize(m), "written": str(a.out)}))
+    return 0
+
+
+def cmd_manifest_verify(a) -> int:
+    m = mf.load_signed(a.manifest.read_bytes(), [load_public_key(k) for k in a.trusted_key])
+    out = {**mf.summarize(m), "signature": "ok"}
+    if a.dir:
+        from peerd.store import VersionStore
+        vs = VersionStore(a.dir, m)
+        vs.model_dir = a.dir
+        bad = vs.verify_files()
+        out["files_checked"] = len(m.files)
+        out["bad_files"] = bad
+        if bad:
+            print(json.dumps(out))
+            return 1
+    print(json.dumps(out))
+    return 0
+
+
+def cmd_sim(a) -> int:
+    from bench.sim import SimConfig, simulate
+    cfg = SimConfig(hosts=a.hosts, size=a.size, chunk=a.chunk, rate=a.rate, racks=a.racks,
+                    oversubscription=a.oversubscription, fail_fraction=a.fail, neighbors=a.neighbors,
+                    seeders=a.seeders, seed=a.seed)
+    bar = Progress("sim")
+    res = simulate(cfg, progress=lambda now, lower, done, n: bar(now, min(now, lower), lower))
+    bar.close()
+    print(json.dumps(res, indent=None if a.json else 1))
+    return 0
+
+
+def cmd_bench_swarm(a) -> int:
+    from bench.swarm import SwarmBenchConfig, run_swarm_bench
+    cfg = SwarmBenchConfig(hosts=a.hosts, size=a.size, rate=a.rate, chunk=a.chunk, kill=a.kill,
+                           corrupt_peers=a.corrupt_peers)
+    bar = Progress("swarm")
+    res = asyncio.run(run_swarm_bench(cfg, progress=bar))
+    bar.close()
+    print(json.dumps(res, indent=None if a.json else 1))
+    return 0 if res["all_verified"] and res["corrupt_chunks_accepted"] == 0 else 1
+
+
+def cmd_demo(a) -> int:
+    from bench.swarm import SwarmBenchConfig, run_swarm_bench
+    cfg = SwarmBenchConfig(hosts=a.hosts, size=a.size, rate=a.rate, chunk=1024 * 1024)
+    print(f"weightcast demo: SeaweedFS origin + {a.hosts} peerd hosts on 127.0.0.1, "
+          f"{a.size >> 20} MiB checkpoint, every link limited to {a.rate / 2**20:.0f} MiB/s", file=sys.stderr)
+    bar = Progress("rollout")
+    res = asyncio.run(run_swarm_bench(cfg, progress=bar))
+    bar.close()
+    print(json.dumps(res, indent=1))
+    ok = res["all_verified"] and res["corrupt_chunks_accepted"] == 0
+    print(f"{'OK' if ok else 'FAILED'}: every host holds the signed checkpoint, "
+          f"{res['max_s']:.1f}s = {res['ratio']:.2f}x the {res['lower_bound_s']:.1f}s lower bound, "
+          f"origin sent {res['origin_copies']:.2f} copies", file=sys.stderr)
+    return 0 if ok else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="weightcast", description="Roll model checkpoints out to a GPU fleet.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    keys = sub.add_parser("keys", help="manifest signing keys").add_subparsers(dest="sub", required=True)
+    g = keys.add_parser("generate", help="create an Ed25519 key pair")
+    g.add_argument("--out", type=Path, default=Path("."), help="directory for manifest-signing.{pem,pub}")
+    g.set_defaults(fn=cmd_keys_generate)
+
+    man = sub.add_parser("manifest", help="build and verify signed manifests").add_subparsers(dest="sub", required=True)
+    b = man.add_parser("build", help="hash a checkpoint (directory or s3://bucket/prefix) and sign it")
+    b.add_argument("source")
+    b.add_argument("--model", required=True)
+    b.add_argument("--version", required=True)
+    b.add_argument("--key", type=Path, required=True, help="Ed25519 private key (PEM)")
+    b.add_argument("--chunk-size", type=parse_size, default=mf.DEFAULT_CHUNK_SIZE, help="default 64MiB")
+    b.add_argument("--endpoint", default=None, help="S3 endpoint URL for s3:// sources")
+    b.add_argument("--out", type=Path, default=Path("manifest.json"))
+    b.set_defaults(fn=cmd_manifest_build)
+    v = man.add_parser("verify", help="check a manifest's signature (and optionally a directory's files)")
+    v.add_argument("manifest", type=Path)
+    v.add_argument("--trusted-key", type=Path, action="append", required=True)
+    v.add_argument("--dir", type=Path, help="also re-hash the files in this directory")
+    v.set_defaults(fn=cmd_manifest_verify)
+
+    s = sub.add_parser("sim", help="simulate the swarm at fleet scale (same policy as peerd)")
+    s.add_argument("--hosts", type=int, default=1000)
+    s.add_argument("--size", type=parse_size, default=parse_size("400G"))
+    s.add_argument("--chunk", type=parse_size, default=parse_size("64M"))
+    s.add_argument("--rate", type=parse_rate, default=parse_rate("10Gbit"))
+    s.add_argument("--racks", type=int, default=20)
+    s.add_argument("--oversubscription", type=float, default=1.0)
+    s.add_argument("--fail", type=float, default=0.05, help="fraction of hosts that die mid-run")
+    s.add_argument("--neighbors", type=int, default=12)
+    s.add_argument("--seeders", type=int, default=16)
+    s.add_argument("--seed", type=int, default=1)
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_sim)
+
+    bench = sub.add_parser("bench", help="benchmarks (print JSON)").add_subparsers(dest="sub", required=True)
+    bs = bench.add_parser("swarm", help="real peerd processes on loopback, origin in SeaweedFS")
+    bs.add_argument("--hosts", type=int, default=8)
+    bs.add_argument("--size", type=parse_size, default=parse_size("256M"))
+    bs.add_argument("--rate", type=parse_rate, default=parse_rate("16M"))
+    bs.add_argument("--chunk", type=parse_size, default=parse_size("1M"))
+    bs.add_argument("--kill", type=int, default=0, help="hosts SIGKILLed at 40%% of the lower bound")
+    bs.add_argument("--corrupt-peers", type=int, default=0, help="hosts that serve flipped bytes")
+    bs.add_argument("--json", action="store_true")
+    bs.set_defaults(fn=cmd_bench_swarm)
+
+    d = sub.add_parser("demo", help="a real end-to-end distribution on loopback")
+    d.add_argument("--hosts", type=int, default=4)
+    d.add_argument("--size", type=parse_size, default=parse_size("48M"))
+    d.add_argument("--rate", type=parse_rate, default=parse_rate("16M"))
+    d.set_defaults(fn=cmd_demo)
+    return ap
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
+    try:
+        return a.fn(a)
+    except (mf.ManifestError, KeyError_) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
