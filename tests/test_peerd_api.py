@@ -1,0 +1,97 @@
+"""Bad input at peerd's HTTP API: clear 4xx answers, and the daemon keeps running."""
+import json
+
+import aiohttp
+import pytest
+
+from peerd import manifest as mf
+from tests.fleet import TOKEN, Fleet
+
+pytestmark = pytest.mark.asyncio
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture
+def daemon(tmp_path, seaweed, keys):
+    fleet = Fleet(tmp_path, seaweed, keys["pub_path"], ["x"], extra={"x": ["--reserve-bytes", "0"]}).start()
+    yield fleet.procs["x"].addr
+    fleet.stop()
+
+
+async def call(method, url, **kw):
+    async with aiohttp.ClientSession() as s:
+        async with s.request(method, url, **kw) as r:
+            return r.status, await r.json(content_type=None)
+
+
+async def test_requests_without_the_cluster_token_get_401(daemon):
+    for method, path in [("GET", "/v1/status"), ("POST", "/v1/gossip"), ("POST", "/v1/jobs")]:
+        st, body = await call(method, daemon + path)
+        assert st == 401 and "token" in body["error"]
+    st, _ = await call("GET", daemon + "/v1/status", headers={"Authorization": "Bearer wrong"})
+    assert st == 401
+
+
+async def test_malformed_and_oversized_bodies(daemon):
+    st, body = await call("POST", daemon + "/v1/gossip", data=b"{nope", headers=AUTH)
+    assert st == 400 and "JSON" in body["error"]
+    st, body = await call("POST", daemon + "/v1/gossip", json={"from": {"id": "../x", "addr": "http://a:1"}},
+                          headers=AUTH)
+    assert st == 400 and "peer id" in body["error"]
+    st, body = await call("POST", daemon + "/v1/gossip", data=b"x" * (2 * 1024 * 1024), headers=AUTH)
+    assert st == 413
+    st, body = await call("POST", daemon + "/v1/gossip", headers=AUTH, json={
+        "from": {"id": "p", "addr": "http://127.0.0.1:1"}, "versions": {"a" * 64: "!!notbase64"}})
+    assert st == 200        # a bad bitmap for an unknown version is ignored, not fatal
+    st, body = await call("POST", daemon + "/v1/jobs", json={"manifest": "x"}, headers=AUTH)
+    assert st == 400 and "manifest" in body["error"]
+    st, body = await call("GET", daemon + "/v1/jobs/not-a-version", headers=AUTH)
+    assert st == 400
+    st, body = await call("GET", daemon + "/v1/versions/" + "0" * 64 + "/chunks/0", headers=AUTH)
+    assert st == 404
+    st, body = await call("GET", daemon + "/healthz")
+    assert st == 200 and body["ok"]
+
+
+async def test_bad_manifests_are_refused_with_reasons(daemon, signed, keys):
+    m, doc = signed
+    tampered = json.loads(json.dumps(doc))
+    tampered["manifest"]["files"][0]["size"] += 1
+    st, body = await call("POST", daemon + "/v1/jobs", json={"manifest": tampered}, headers=AUTH)
+    assert st == 422 and "declares" in body["error"]
+    resigned = json.loads(json.dumps(doc))
+    resigned["manifest"]["version"] = "v9"
+    st, body = await call("POST", daemon + "/v1/jobs", json={"manifest": resigned}, headers=AUTH)
+    assert st == 422 and "bad signature" in body["error"]
+    body_ = m.body()
+    body_["files"][0]["path"] = "../../etc/evil"
+    for c in body_["chunks"]:
+        if c["file"] == m.files[0].path:
+            c["file"] = "../../etc/evil"
+    st, body = await call("POST", daemon + "/v1/jobs", json={"manifest": {"manifest": body_, "signature": doc["signature"]}},
+                          headers=AUTH)
+    assert st == 422 and "escapes" in body["error"]
+
+
+async def test_chunk_requests_are_checked(daemon, signed):
+    m, doc = signed
+    st, _ = await call("POST", daemon + "/v1/jobs", json={"manifest": doc, "origin": None}, headers=AUTH)
+    assert st == 202
+    base = f"{daemon}/v1/versions/{m.digest}/chunks/"
+    assert (await call("GET", base + "999999", headers=AUTH))[0] == 400
+    assert (await call("GET", base + "abc", headers=AUTH))[0] == 400
+    st, body = await call("GET", base + "0", headers=AUTH)
+    assert st == 404 and "not verified" in body["error"]   # never serves what it has not verified
+
+
+async def test_disk_full_is_reported_as_such(tmp_path, seaweed, keys, signed):
+    m, doc = signed
+    fleet = Fleet(tmp_path, seaweed, keys["pub_path"], ["full"],
+                  extra={"full": ["--reserve-bytes", str(1 << 60)]}).start()
+    try:
+        st, body = await call("POST", fleet.procs["full"].addr + "/v1/jobs", json={"manifest": doc}, headers=AUTH)
+        assert st == 507 and body["code"] == "disk_full" and "free" in body["error"]
+        st, body = await call("GET", fleet.procs["full"].addr + "/healthz")
+        assert st == 200
+    finally:
+        fleet.stop()

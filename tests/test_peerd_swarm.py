@@ -1,0 +1,141 @@
+"""Real peerd processes on loopback with the origin in SeaweedFS: the swarm and its faults."""
+import asyncio
+import uuid
+
+import aiohttp
+import pytest
+
+from tests.fleet import Fleet, host_files_match, publish, wait_all
+
+pytestmark = pytest.mark.asyncio
+
+RATE = 8 * 1024 * 1024   # slow enough that faults land mid-transfer
+
+
+@pytest.fixture
+def prefix():
+    return f"t/{uuid.uuid4().hex[:8]}"
+
+
+async def test_swarm_completes_verified_with_one_origin_copy(tmp_path, seaweed, keys, signed, checkpoint, prefix):
+    m, doc = signed
+    origin = await publish(seaweed, checkpoint, prefix)
+    ids = ["a", "b", "c", "d"]
+    fleet = Fleet(tmp_path, seaweed, keys["pub_path"], ids, rate=RATE).start()
+    try:
+        await asyncio.sleep(0.5)
+        for i in ids:
+            async with fleet.client(i) as c:
+                st = await c.start_job(doc, origin, seeders=ids)
+                assert st["state"] in ("fetching", "complete")
+        done = await wait_all(fleet, ids, m.digest)
+        assert all(s["state"] == "complete" for s in done.values())
+        assert all(host_files_match(fleet, i, m, checkpoint) for i in ids)
+        origin_bytes = sum(s["bytes_by_source"]["origin"] for s in done.values())
+        assert origin_bytes <= 1.1 * m.total_size            # striped: about one copy from the origin
+        assert sum(s["bytes_by_source"]["peer"] for s in done.values()) >= 2 * m.total_size
+        async with fleet.client("a") as c:                    # idempotent: a second submit attaches
+            again = await c.start_job(doc, origin, seeders=ids)
+            assert again["state"] == "complete"
+        async with aiohttp.ClientSession() as s:
+            async with s.get(fleet.procs["a"].addr + "/metrics") as r:
+                text = await r.text()
+        assert "peerd_chunks_verified_total" in text and "peerd_upload_bytes_total" in text
+    finally:
+        fleet.stop()
+
+
+async def test_killed_peer_and_corrupt_peer(tmp_path, seaweed, keys, signed, checkpoint, prefix):
+    """One host is SIGKILLed mid-transfer and one serves flipped bytes: the rest finish, verified,
+    the corrupt peer is quarantined and its bytes are never kept."""
+    m, doc = signed
+    origin = await publish(seaweed, checkpoint, prefix)
+    ids = ["a", "b", "c", "d", "bad"]
+    fleet = Fleet(tmp_path, seaweed, keys["pub_path"], ids, rate=RATE, corrupt={"bad"}).start()
+    try:
+        await asyncio.sleep(0.5)
+        honest = ["a", "b", "c", "d"]
+        for i in ids:
+            async with fleet.client(i) as c:
+                await c.start_job(doc, origin, seeders=honest)
+        async with fleet.client("d") as c:
+            while (await c.job(m.digest))["chunks_done"] < 2:
+                await asyncio.sleep(0.02)
+        fleet.procs["d"].kill()
+        done = await wait_all(fleet, ["a", "b", "c"], m.digest)
+        assert all(s["state"] == "complete" for s in done.values())
+        assert all(host_files_match(fleet, i, m, checkpoint) for i in ["a", "b", "c"])
+        quarantined = set()
+        for i in ["a", "b", "c"]:
+            async with fleet.client(i) as c:
+                quarantined |= set((await c.status())["quarantined"])
+        assert quarantined == {"bad"}
+    finally:
+        fleet.stop()
+
+
+async def test_restart_resumes_without_refetching_verified_chunks(tmp_path, seaweed, keys, signed, checkpoint, prefix):
+    m, doc = signed
+    origin = await publish(seaweed, checkpoint, prefix)
+    fleet = Fleet(tmp_path, seaweed, keys["pub_path"], ["solo"], rate=RATE).start()
+    try:
+        async with fleet.client("solo") as c:
+            await c.start_job(doc, origin, seeders=["solo"])
+            while (await c.job(m.digest))["chunks_done"] < 4:
+                await asyncio.sleep(0.02)
+        fleet.procs["solo"].kill()
+        bitmap = (tmp_path / "solo" / "store" / "versions" / m.digest / "bitmap").read_bytes()
+        kept = sum(c.size for c in m.chunks if bitmap[c.index])
+        assert 0 < kept < m.total_size
+        fleet.start(["solo"])
+        async with fleet.client("solo") as c:
+            await c.start_job(doc, origin, seeders=["solo"])
+            st = await c.wait(m.digest, 60)
+        assert st["state"] == "complete"
+        assert st["bytes_by_source"]["origin"] == m.total_size - kept   # nothing verified fetched again
+        assert host_files_match(fleet, "solo", m, checkpoint)
+    finally:
+        fleet.stop()
+
+
+async def test_origin_unreachable_but_peers_have_it(tmp_path, seaweed, keys, signed, checkpoint, prefix):
+    m, doc = signed
+    origin = await publish(seaweed, checkpoint, prefix)
+    fleet = Fleet(tmp_path, seaweed, keys["pub_path"], ["a", "late"]).start()
+    try:
+        async with fleet.client("a") as c:
+            await c.start_job(doc, origin, seeders=["a"])
+            assert (await c.wait(m.digest, 60))["state"] == "complete"
+        dead_origin = {**origin, "endpoint": "http://127.0.0.1:9"}   # nothing listens there
+        async with fleet.client("late") as c:
+            await c.start_job(doc, dead_origin, seeders=["late"])
+            st = await c.wait(m.digest, 60)
+        assert st["state"] == "complete" and st["bytes_by_source"]["origin"] == 0
+        assert host_files_match(fleet, "late", m, checkpoint)
+    finally:
+        fleet.stop()
+
+
+async def test_delta_rollout_copies_unchanged_chunks_locally(tmp_path, seaweed, keys, signed, checkpoint, prefix):
+    from peerd import manifest as mf
+    m, doc = signed
+    origin = await publish(seaweed, checkpoint, prefix)
+    fleet = Fleet(tmp_path, seaweed, keys["pub_path"], ["a"]).start()
+    try:
+        async with fleet.client("a") as c:
+            await c.start_job(doc, origin, seeders=["a"])
+            await c.wait(m.digest, 60)
+        changed = checkpoint / m.files[0].path
+        data = bytearray(changed.read_bytes())
+        data[0] ^= 0xFF
+        changed.write_bytes(bytes(data))
+        m2 = mf.build_from_directory(checkpoint, "tiny", "v2", chunk_size=m.chunk_size)
+        origin2 = await publish(seaweed, checkpoint, prefix + "-v2")
+        async with fleet.client("a") as c:
+            await c.start_job(mf.sign_manifest(m2, keys["private"]), origin2, seeders=["a"])
+            st = await c.wait(m2.digest, 60)
+        assert st["state"] == "complete"
+        assert st["bytes_by_source"]["origin"] == m2.chunks[0].size     # only the changed chunk
+        assert st["bytes_by_source"]["local"] == m2.total_size - m2.chunks[0].size
+    finally:
+        fleet.stop()
