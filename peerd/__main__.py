@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--download-rate", type=rate, default=None, help="bytes/s (default unlimited)")
     ap.add_argument("--origin-rate", type=rate, default=None, help="bytes/s of origin reads (default unlimited)")
     ap.add_argument("--gossip-interval", type=float, default=1.0)
-    ap.add_argument("--have-interval", type=float, default=0.2)
+    ap.add_argument("--have-interval", type=float, default=0.1)
     ap.add_argument("--dead-after", type=float, default=5.0)
     ap.add_argument("--reserve-bytes", type=int, default=0, help="free space to keep on the store volume")
     ap.add_argument("--ready-file", type=Path, help="write {addr,id} JSON here once listening")

@@ -24,7 +24,7 @@ class PeerdConfig:
     max_uploads: int = 16                       # concurrent chunk uploads before answering 503 busy
     gossip_interval: float = 1.0                # seconds between gossip rounds
     gossip_fanout: int = 3                      # random peers per round (plus active swarm peers)
-    have_interval: float = 0.2                  # bitmap pushes to active peers while downloading
+    have_interval: float = 0.1                  # bitmap pushes to active peers while downloading
     dead_after: float = 5.0                     # seconds without hearing from a peer → dead
     max_active_peers: int = 32                  # peers a job's policy tracks
     reserve_bytes: int = 0                      # free space to keep on the store volume

@@ -59,6 +59,8 @@ class FetchJob:
 
     async def _run(self) -> None:
         try:
+            if self.origin_spec is not None:   # the S3 client takes a while to build: start it now
+                self._origin = await S3Origin(self.origin_spec, session=self.d.s3_session).__aenter__()
             await self._copy_local()
             if not self.vs.complete:
                 await self._swarm()
@@ -127,8 +129,10 @@ class FetchJob:
                 self.policy.tick(now)
                 next_tick = now + 1.0
             self._wake.clear()
+            wake_at = self.policy.wake_at(now)
+            timeout = 0.25 if wake_at is None else min(0.25, max(0.005, wake_at - now))
             try:
-                await asyncio.wait_for(self._wake.wait(), timeout=0.25)
+                await asyncio.wait_for(self._wake.wait(), timeout=timeout)
             except asyncio.TimeoutError:
                 pass
 
@@ -206,7 +210,7 @@ class FetchJob:
         if self.origin_spec is None:
             raise OriginError("no origin configured for this version")
         if self._origin is None:
-            self._origin = await S3Origin(self.origin_spec).__aenter__()
+            self._origin = await S3Origin(self.origin_spec, session=self.d.s3_session).__aenter__()
 
         async def paced(n: int) -> None:
             await self.d.origin_bucket.acquire(n)

@@ -25,7 +25,7 @@ ORIGIN = "<origin>"
 class PolicyConfig:
     max_inflight: int = 8          # requests in flight per host
     max_per_peer: int = 2          # requests in flight to any one peer
-    origin_inflight: int = 2       # concurrent origin reads per host
+    origin_inflight: int = 1       # concurrent origin reads per host (one at a time: the first chunk lands soonest)
     random_first: int = 2          # first chunks picked at random (something to trade early)
     endgame_chunks: int = 4        # duplicate requests once this few chunks are missing
     endgame_dups: int = 2          # sources per chunk in endgame
@@ -94,6 +94,7 @@ class SwarmPolicy:
         self.tiebreak = self.rng.permutation(n).astype(np.int64)
         self.origin_reads = 0
         self.origin_active = 0
+        self.peer_requests = 0
         self.origin_backoff_until = 0.0
         self._plan: list[int] = []
         self._dirty = True
@@ -187,7 +188,7 @@ class SwarmPolicy:
             self._release(s)
         if source != ORIGIN and source in self.peers:
             p = self.peers[source]
-            p.errors = 0
+            p.errors, p.backoff_s = 0, 0.0
             r = nbytes / max(seconds, 1e-6)
             p.rate = r if p.samples == 0 else 0.7 * p.rate + 0.3 * r
             p.samples += 1
@@ -237,7 +238,7 @@ class SwarmPolicy:
         med = median(p.rate for p in judged)
         for p in judged:
             if p.rate < self.config.slow_factor * med:
-                self._backoff(p, now)
+                p.backoff_until = now + self.config.backoff_s
                 p.samples = 0   # judged afresh after the back-off
 
     # ------------------------------------------------------------ decisions
@@ -246,9 +247,11 @@ class SwarmPolicy:
         return self.missing == 0
 
     def next_requests(self, now: float) -> list[Request]:
-        free = self.config.max_inflight - len(self.inflight)
-        if free <= 0 or self.missing == 0:
+        # origin reads have their own budget: a seeder's peer pipeline never waits behind the origin
+        free = self.config.max_inflight - self.peer_requests
+        if (free <= 0 and self.origin_active >= self.config.origin_inflight) or self.missing == 0:
             return []
+        n_peer = 0
         out: list[Request] = []
         for attempt in range(2):
             if self._dirty or attempt:
@@ -256,17 +259,32 @@ class SwarmPolicy:
             for c in self._plan:
                 if self.have[c] or self.inflight_mask[c]:
                     continue
-                src = self._choose_source(c, now)
+                src = self._choose_source(c, now, peers_ok=n_peer < free)
                 if src is not None:
                     self._add_request(c, src)
                     out.append(Request(c, src))
-                    if len(out) >= free:
+                    n_peer += src != ORIGIN
+                    if n_peer >= free and self.origin_active >= self.config.origin_inflight:
                         return out
             if out or len(self._plan) < self.config.plan_size:
                 break  # nothing more is fetchable now, or the plan was complete
+        if n_peer == 0 and free > 0:
+            out += self._peer_first(now, free)
         if not out and self.missing <= self.config.endgame_chunks:
             out = self._endgame(now)
         return out
+
+    def wake_at(self, now: float) -> float | None:
+        """When a peer or the origin comes out of back-off: the driver should ask again then.
+
+        None when nothing is backing off or every request slot is taken."""
+        if self.peer_requests >= self.config.max_inflight or self.missing == 0:
+            return None
+        times = [p.backoff_until for p in self.peers.values()
+                 if p.alive and not p.quarantined and p.backoff_until > now]
+        if self.origin_backoff_until > now:
+            times.append(self.origin_backoff_until)
+        return min(times) if times else None
 
     def _replan(self, now: float) -> None:
         self._dirty = False
@@ -287,8 +305,8 @@ class SwarmPolicy:
             cand, key = cand[part], key[part]
         self._plan = cand[np.argsort(key, kind="stable")].tolist()
 
-    def _choose_source(self, c: int, now: float) -> str | None:
-        cap = self.config.max_per_peer
+    def _choose_source(self, c: int, now: float, peers_ok: bool = True) -> str | None:
+        cap = self.config.max_per_peer if peers_ok else 0
         best_local = best_remote = None
         bl = br = None
         peers = self._peer_list
@@ -310,6 +328,30 @@ class SwarmPolicy:
                 and self.origin_active < self.config.origin_inflight and now >= self.origin_backoff_until):
             return ORIGIN
         return None
+
+    def _peer_first(self, now: float, free: int) -> list[Request]:
+        """The rarest chunks' holders are all busy: rather than idle, ask each idle peer for the
+        rarest chunk *it* has (BitTorrent's order: the uploader first, then rarest among its pieces)."""
+        out: list[Request] = []
+        want = ~self.have & ~self.inflight_mask
+        peers = self._peer_list
+        start = self._rnd.randrange(len(peers)) if peers else 0
+        for i in range(len(peers)):
+            pid, p = peers[(start + i) % len(peers)]
+            if p.inflight or not p.usable(now):
+                continue
+            cand = np.flatnonzero(p.bits & want)
+            if p.rack != self.rack:
+                cand = cand[self.import_mask[cand] | (now - self.first_seen[cand] >= self.config.rack_grace_s)]
+            if len(cand) == 0:
+                continue
+            c = int(cand[np.argmin(self.avail[cand].astype(np.int64) * self.n_chunks + self.tiebreak[cand])])
+            self._add_request(c, pid)
+            want[c] = False
+            out.append(Request(c, pid))
+            if len(out) >= free:
+                break
+        return out
 
     @staticmethod
     def _better(a: PeerState, b: PeerState) -> bool:
@@ -335,12 +377,14 @@ class SwarmPolicy:
             self.origin_active += 1
         else:
             self.peers[src].inflight += 1
+            self.peer_requests += 1
 
     def _release(self, src: str) -> None:
         if src == ORIGIN:
             self.origin_active -= 1
         elif src in self.peers:
             self.peers[src].inflight -= 1
+            self.peer_requests -= 1
 
     def _drop_requests_to(self, peer: str) -> list[Cancel]:
         out = []

@@ -16,6 +16,7 @@ from peerd.store import DiskFullError, StoreError
 from peerd.wire import MAX_GOSSIP_BYTES, MAX_JOB_BYTES, WireError, check_gossip, check_job, check_vid, pack_bits
 
 log = logging.getLogger("peerd.http")
+UPLOAD_PIECE = 128 * 1024
 _RANGE = re.compile(r"^bytes=(\d+)-(\d*)$")
 
 
@@ -126,18 +127,26 @@ def make_app(daemon) -> web.Application:
         count = end - start + 1
         d.uploads_active += 1
         try:
-            await d.upload_bucket.acquire(count)
             resp = web.StreamResponse(status=206 if rng else 200, headers={
                 "Content-Type": "application/octet-stream", "Content-Length": str(count),
                 **({"Content-Range": f"bytes {start}-{end}/{loc.size}"} if rng else {})})
             await resp.prepare(request)
             if d.config.fault_corrupt_uploads:
+                await d.upload_bucket.acquire(count)
                 data = bytearray(vs.read_verified(index)[start:end + 1])
                 data[0] ^= 0xFF
                 await resp.write(bytes(data))
             else:
-                with open(loc.path, "rb") as f:   # sendfile: the kernel copies, Python does not
-                    await asyncio.get_running_loop().sendfile(request.transport, f, loc.offset + start, count)
+                # sendfile in pieces, each paid for in the upload bucket first: concurrent uploads
+                # share the link (as TCP flows would) and the kernel copies, Python does not
+                loop = asyncio.get_running_loop()
+                with open(loc.path, "rb") as f:
+                    sent = 0
+                    while sent < count:
+                        n = min(UPLOAD_PIECE, count - sent)
+                        await d.upload_bucket.acquire(n)
+                        await loop.sendfile(request.transport, f, loc.offset + start + sent, n)
+                        sent += n
             d.metrics.bytes_out.inc(count)
             return resp
         except (ConnectionError, OSError, StoreError) as e:

@@ -185,7 +185,7 @@ def test_invariants_under_random_events(events):
         elif kind == "tick":
             p.tick(t)
         # bookkeeping always agrees with what is really outstanding
-        assert len(p.inflight) <= cfg.max_inflight
+        assert p.peer_requests <= cfg.max_inflight and p.origin_active <= cfg.origin_inflight
         assert sorted((r.chunk, r.source) for r in live_reqs) == sorted(
             (c, s) for c, srcs in p.inflight.items() for s in srcs)
         for pid, ps in p.peers.items():
