@@ -1,12 +1,14 @@
-"""Flow-level swarm simulator: drives the real ``SwarmPolicy`` over a slotted model of links.
+"""Flow-level swarm simulator: drives the real ``SwarmPolicy`` over a fluid model of links.
 
-Time advances in slots of one chunk-time at the host link rate (``chunk / rate``). Requests queue at
-their uploader (as they would on a TCP connection); each slot every uploader sends about one chunk
-from its queue (fractional credits model other rates) to a host whose download link still has room
-this slot, the origin serves ``origin_rate`` worth of its queue, and cross-rack transfers also spend
-their racks' uplink credit (``hosts_per_rack * rate / oversubscription``). Bitmaps reach neighbours
-every ``have_interval`` seconds, as gossip would; dead hosts are noticed after ``detect_s``. Each
-host's policy sees only its neighbours, like a daemon with a bounded active peer set.
+Every request is a flow. Time advances in steps of ``1/steps_per_chunk`` of a chunk-time; in each
+step a flow moves at the smallest of its fair shares: the uploader's link split among its flows, the
+downloader's link split among its flows, and for cross-rack flows the racks' uplinks
+(``hosts_per_rack * rate / oversubscription``) split likewise. That is how concurrent TCP flows
+through token buckets behave in peerd. An uploader with ``upload_slots`` flows answers busy, as
+peerd's ``max_uploads`` does. Bitmaps reach neighbours every ``have_interval`` seconds, as gossip
+would; dead hosts are noticed after ``detect_s``. Each host's policy sees only its neighbours, like a
+daemon with a bounded active peer set. The per-step arithmetic is vectorised over all flows; the
+policy is called once per request and completion.
 """
 from __future__ import annotations
 
@@ -14,7 +16,6 @@ import heapq
 import math
 import random
 import time
-from collections import deque
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -39,7 +40,8 @@ class SimConfig:
     max_inflight: int = 4
     max_per_peer: int = 2
     slow_factor: float = 0.25
-    upload_queue: int = 4                 # requests an uploader accepts before answering busy (peerd's max_uploads)
+    upload_slots: int = 4                 # concurrent uploads before answering busy (peerd's max_uploads)
+    steps_per_chunk: int = 2
     seed: int = 1
 
 
@@ -79,23 +81,26 @@ def _neighbour_graph(cfg: SimConfig, rnd: random.Random, rack_of: list[int], by_
     return [sorted(x) for x in nbrs]
 
 
-def simulate(cfg: SimConfig, progress=None, debug: list | None = None) -> dict:
+def simulate(cfg: SimConfig, progress=None) -> dict:
     wall0 = time.monotonic()
     rnd = random.Random(cfg.seed)
     origin_rate = cfg.origin_rate or cfg.rate
     n_chunks = max(1, math.ceil(cfg.size / cfg.chunk))
     N = cfg.hosts
     tau = cfg.chunk / cfg.rate
+    dt = tau / cfg.steps_per_chunk
     rack_of = [h % cfg.racks for h in range(N)]
+    rack_arr = np.array(rack_of + [-1])                     # index N is the origin
     names = [f"h{h}" for h in range(N)]
     index = {nm: h for h, nm in enumerate(names)}
+    index[ORIGIN] = N
     by_rack: dict[int, list[int]] = {}
     for h in range(N):
         by_rack.setdefault(rack_of[h], []).append(h)
     seeders = tuple(names[h] for h in rnd.sample(range(N), min(cfg.seeders, N)))
     nbrs = _neighbour_graph(cfg, rnd, rack_of, by_rack)
 
-    pcfg = PolicyConfig(max_inflight=cfg.max_inflight, max_per_peer=cfg.max_per_peer, origin_inflight=2,
+    pcfg = PolicyConfig(max_inflight=cfg.max_inflight, max_per_peer=cfg.max_per_peer,
                         rack_grace_s=2.0, backoff_s=1.0, slow_factor=cfg.slow_factor)
     pols = []
     zeros = np.zeros(n_chunks, bool)
@@ -109,62 +114,71 @@ def simulate(cfg: SimConfig, progress=None, debug: list | None = None) -> dict:
 
     lower = max(cfg.size / cfg.rate, cfg.size / origin_rate)
     deaths = sorted((rnd.uniform(0.1, 0.9) * lower, h) for h in rnd.sample(range(N), int(cfg.fail_fraction * N)))
-    alive = [True] * N
+    alive = np.ones(N + 1, bool)
     done_at = np.full(N, np.nan)
     fresh: list[list[int]] = [[] for _ in range(N)]
     detect: list[tuple[float, int]] = []
-    queues: list[deque] = [deque() for _ in range(N)]      # requests waiting at each uploader
-    origin_q: deque = deque()
-    live_req: set[tuple[int, int, str]] = set()            # (host, chunk, source) still wanted
-    issued_at: dict[tuple[int, int, str], float] = {}
-    busy_uploaders: set[int] = set()
-    origin_reads = cross_rack = transfers = 0
-    next_have, next_tick, slot = cfg.have_interval, 5.0, 0
-    poll = set(range(N))                                   # hosts that may have new requests to make
-    origin_per_slot = origin_rate / cfg.rate
-    rack_cap = (N / cfg.racks) / cfg.oversubscription
-    origin_credit = 0.0
-    remaining = N
-
     wakeups: list[tuple[float, int]] = []
+
+    # flows live in per-host slots: K = peer requests + origin reads a host may have in flight
+    K = cfg.max_inflight * pcfg.endgame_dups + pcfg.origin_inflight   # endgame duplicates included
+    f_src = np.full((N, K), -1, np.int64)
+    f_chunk = np.zeros((N, K), np.int64)
+    f_left = np.zeros((N, K))
+    f_start = np.zeros((N, K))
+    slot_of: dict[tuple[int, int, int], int] = {}           # (host, chunk, src) -> slot
+    up_cap = np.full(N + 1, 1.0)
+    up_cap[N] = origin_rate / cfg.rate                      # in chunks per chunk-time
+    rack_cap = (N / cfg.racks) / cfg.oversubscription
+    host_of_slot = np.repeat(np.arange(N), K).reshape(N, K)
+    origin_reads = cross_rack = transfers = 0
+    next_have, next_tick, step = cfg.have_interval, 5.0, 0
+    remaining = N
+    poll = set(range(N))
+    n_up = np.zeros(N + 1, np.int64)
 
     def issue(h: int, now: float) -> None:
         pol = pols[h]
-        for _ in range(4):       # a busy answer comes back at once: ask again within the slot
-            if not _issue_once(h, pol, now):
+        for _ in range(4):       # a busy answer comes back at once: ask again
+            refused = False
+            for r in pol.next_requests(now):
+                s = index[r.source]
+                if s != N and n_up[s] >= cfg.upload_slots:
+                    pol.chunk_failed(r.chunk, r.source, "busy", now)
+                    refused = True
+                    continue
+                k = int(np.flatnonzero(f_src[h] < 0)[0])
+                f_src[h, k], f_chunk[h, k], f_left[h, k], f_start[h, k] = s, r.chunk, 1.0, now
+                slot_of[(h, r.chunk, s)] = k
+                n_up[s] += 1
+            if not refused:
                 break
         w = pol.wake_at(now)
         if w is not None:
             heapq.heappush(wakeups, (w, h))
 
-    def _issue_once(h: int, pol: SwarmPolicy, now: float) -> bool:
-        refused = False
-        for r in pol.next_requests(now):
-            key = (h, r.chunk, r.source)
-            if r.source == ORIGIN:
-                origin_q.append(key)
-            else:
-                s = index[r.source]
-                if len(queues[s]) >= cfg.upload_queue:
-                    pol.chunk_failed(r.chunk, r.source, "busy", now)
-                    refused = True
-                    continue
-                queues[s].append(key)
-                busy_uploaders.add(s)
-            live_req.add(key)
-            issued_at[key] = now
-        return refused
+    def end_flow(h: int, c: int, s: int) -> None:
+        k = slot_of.pop((h, c, s), None)
+        if k is not None:
+            f_src[h, k] = -1
+            n_up[s] -= 1
 
-    def drop(h: int, cancels) -> None:
-        for c in cancels:
-            live_req.discard((h, c.chunk, c.source))
+    def cancel(h: int, cancels) -> None:
+        for x in cancels:
+            end_flow(h, x.chunk, index[x.source])
 
     while remaining:
-        now = slot * tau
+        now = step * dt
         while deaths and deaths[0][0] <= now:
             _, h = deaths.pop(0)
             alive[h] = False
             remaining -= 1
+            for k in np.flatnonzero(f_src[h] >= 0):            # its own downloads stop
+                n_up[f_src[h, k]] -= 1
+                f_src[h, k] = -1
+            slot_of_h = [key for key in slot_of if key[0] == h]
+            for key in slot_of_h:
+                del slot_of[key]
             heapq.heappush(detect, (now + cfg.detect_s, h))
         while detect and detect[0][0] <= now:
             _, h = heapq.heappop(detect)
@@ -172,90 +186,54 @@ def simulate(cfg: SimConfig, progress=None, debug: list | None = None) -> dict:
             for o in range(N):
                 if alive[o]:
                     if o in nb:
-                        drop(o, pols[o].peer_dead(names[h]))
+                        cancel(o, pols[o].peer_dead(names[h]))
                         poll.add(o)
                     else:
                         pols[o].member_dead(names[h])
-            for key in list(queues[h]):
-                if key in live_req and alive[key[0]]:
-                    live_req.discard(key)
-            queues[h].clear()
-        retry = set()
         while wakeups and wakeups[0][0] <= now:
             poll.add(heapq.heappop(wakeups)[1])
         for h in poll:
             if alive[h] and not pols[h].complete:
                 issue(h, now)
-        poll = retry
+        poll = set()
 
-        down_used: dict[int, int] = {}
-        rack_out = [rack_cap] * cfg.racks
-        rack_in = [rack_cap] * cfg.racks
-        completions = []
-
-        def serve(q: deque, src_rack: int | None, credit: float) -> float:
-            """Send from one uploader's queue while it has credit; skip hosts whose link is full."""
-            skipped = []
-            while q and credit >= 1.0:
-                key = q.popleft()
-                h = key[0]
-                if key not in live_req or not alive[h]:
-                    continue
-                if down_used.get(h, 0) >= 1:
-                    skipped.append(key)
-                    continue
-                hr = rack_of[h]
-                if src_rack is not None and src_rack != hr:
-                    if rack_out[src_rack] < 1.0 or rack_in[hr] < 1.0:
-                        skipped.append(key)
-                        continue
-                    rack_out[src_rack] -= 1.0
-                    rack_in[hr] -= 1.0
-                down_used[h] = down_used.get(h, 0) + 1
-                credit -= 1.0
-                completions.append(key)
-            q.extendleft(reversed(skipped))
-            return credit
-
-        origin_credit = serve(origin_q, None, min(origin_credit + origin_per_slot, max(1.0, origin_per_slot)))
-        order = list(busy_uploaders)
-        rnd.shuffle(order)
-        busy_uploaders = set()
-        for s in order:
-            if alive[s]:
-                serve(queues[s], rack_of[s], 1.0)
-                if queues[s]:
-                    busy_uploaders.add(s)
-            else:
-                busy_uploaders.add(s)   # requests wait until the death is noticed, as with a real timeout
-
-        end = now + tau
-        if debug is not None and slot % 50 == 0:
-            idle = sum(1 for h in range(N) if alive[h] and not pols[h].complete and not pols[h].inflight)
-            fetchable = sum(1 for h in range(N) if alive[h] and not pols[h].complete and not pols[h].inflight
-                            and ((pols[h].avail > 0) & ~pols[h].have).any())
-            have = np.array([pols[h].n_chunks - pols[h].missing for h in range(N)])
-            lo = int(np.argmin(have))
-            pl = pols[lo]
-            debug.append((round(now, 1), len(completions), remaining, idle, fetchable, int(have.min()), int(np.median(have)), int(have.max()),
-                          lo, len(pl.inflight), [(k, round(now - issued_at.get(k, now), 2)) for k in live_req if k[0] == lo][:4],
-                          sum(1 for p in pl.peers.values() if not p.usable(now))))
-        for key in completions:
-            h, c, src = key
-            live_req.discard(key)
-            drop(h, pols[h].chunk_done(c, src, cfg.chunk, end - issued_at.pop(key, now), end))
-            fresh[h].append(c)
-            poll.add(h)
-            transfers += 1
-            if src == ORIGIN:
-                origin_reads += 1
-            elif rack_of[index[src]] != rack_of[h]:
-                cross_rack += 1
-            if pols[h].complete and np.isnan(done_at[h]):
-                done_at[h] = end
-                remaining -= 1
-        slot += 1
-        now = slot * tau
+        # fluid step: each flow at the smallest of its fair shares
+        act = f_src >= 0
+        src = f_src[act]
+        if len(src):
+            dst = host_of_slot[act]
+            n_down = act.sum(axis=1)
+            rate = np.minimum(up_cap[src] / n_up[src], 1.0 / n_down[dst])
+            rate[~alive[src]] = 0.0                              # a dead uploader sends nothing
+            cross = (rack_arr[src] != rack_arr[dst]) & (src != N)
+            if cross.any():
+                out_n = np.bincount(rack_arr[src][cross], minlength=cfg.racks)
+                in_n = np.bincount(rack_arr[dst][cross], minlength=cfg.racks)
+                rate[cross] = np.minimum(rate[cross], np.minimum(rack_cap / out_n[rack_arr[src][cross]],
+                                                                 rack_cap / in_n[rack_arr[dst][cross]]))
+            left = f_left[act] - rate / cfg.steps_per_chunk
+            f_left[act] = left
+            finished = np.flatnonzero(left <= 1e-9)
+            end = now + dt
+            if len(finished):
+                hs, ks = np.nonzero(act)
+                for i in finished:
+                    h, k = int(hs[i]), int(ks[i])
+                    s, c = int(f_src[h, k]), int(f_chunk[h, k])
+                    end_flow(h, c, s)
+                    cancel(h, pols[h].chunk_done(c, names[s] if s != N else ORIGIN, cfg.chunk, end - f_start[h, k], end))
+                    fresh[h].append(c)
+                    poll.add(h)
+                    transfers += 1
+                    if s == N:
+                        origin_reads += 1
+                    elif rack_of[s] != rack_of[h]:
+                        cross_rack += 1
+                    if pols[h].complete and np.isnan(done_at[h]):
+                        done_at[h] = end
+                        remaining -= 1
+        step += 1
+        now = step * dt
         if now >= next_have:
             next_have += cfg.have_interval
             for h in range(N):
@@ -276,10 +254,11 @@ def simulate(cfg: SimConfig, progress=None, debug: list | None = None) -> dict:
         if now > 20 * lower:
             raise RuntimeError(f"simulation did not converge by {20 * lower:.0f} s: {remaining} hosts unfinished")
 
-    surv = done_at[np.array(alive)]
+    surv = done_at[alive[:N]]
     p50, p90, mx = (float(np.percentile(surv, q)) for q in (50, 90, 100))
     size_bytes = n_chunks * cfg.chunk
-    out = {"config": asdict(cfg), "chunks": n_chunks, "survivors": int(sum(alive)), "died": N - int(sum(alive)),
+    out = {"config": asdict(cfg), "chunks": n_chunks, "survivors": int(alive[:N].sum()),
+           "died": N - int(alive[:N].sum()),
            **analytic_baselines(N, cfg.size, cfg.rate, origin_rate),
            "p50_s": p50, "p90_s": p90, "max_s": mx, "ratio": mx / lower,
            "origin_copies": origin_reads * cfg.chunk / size_bytes,

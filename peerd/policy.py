@@ -96,7 +96,7 @@ class SwarmPolicy:
         self.origin_active = 0
         self.peer_requests = 0
         self.origin_backoff_until = 0.0
-        self._plan: list[int] = []
+        self._plan = np.zeros(0, np.int64)
         self._dirty = True
         self.missing = int(n - self.have.sum())
         self._restripe()
@@ -249,27 +249,56 @@ class SwarmPolicy:
     def next_requests(self, now: float) -> list[Request]:
         # origin reads have their own budget: a seeder's peer pipeline never waits behind the origin
         free = self.config.max_inflight - self.peer_requests
-        if (free <= 0 and self.origin_active >= self.config.origin_inflight) or self.missing == 0:
+        origin_ok = (self.origin_active < self.config.origin_inflight and now >= self.origin_backoff_until
+                     and self.origin_mask.any())
+        if (free <= 0 and not origin_ok) or self.missing == 0:
+            return []
+        # peers that can take a request now, in a random rotation (random among equals)
+        cap = self.config.max_per_peer
+        ready = [(pid, p) for pid, p in self._peer_list if p.inflight < cap and p.usable(now)]
+        if ready:
+            r = self._rnd.randrange(len(ready))
+            ready = ready[r:] + ready[:r]
+        if not ready and not origin_ok:
             return []
         n_peer = 0
         out: list[Request] = []
         for attempt in range(2):
             if self._dirty or attempt:
                 self._replan(now)
-            for c in self._plan:
-                if self.have[c] or self.inflight_mask[c]:
+            plan = self._plan
+            if len(plan):
+                # only chunks a ready peer holds, or that the origin may serve, are worth a look
+                ok = ~self.have[plan] & ~self.inflight_mask[plan]
+                reach = np.zeros(len(plan), bool)
+                local = [p.bits[plan] for _, p in ready if p.rack == self.rack]
+                remote = [p.bits[plan] for _, p in ready if p.rack != self.rack]
+                if local:
+                    reach |= np.logical_or.reduce(local)
+                if remote:   # across racks only where this host is the importer, or after the grace
+                    reach |= np.logical_or.reduce(remote) & (
+                        self.import_mask[plan] | (now - self.first_seen[plan] >= self.config.rack_grace_s))
+                if origin_ok:
+                    reach |= self.origin_mask[plan] & (self.avail[plan] == 0)
+                plan = plan[ok & reach]
+            for c in plan.tolist():
+                if self.inflight_mask[c]:
                     continue
-                src = self._choose_source(c, now, peers_ok=n_peer < free)
+                src = self._choose_source(c, now, ready if n_peer < free else [])
                 if src is not None:
                     self._add_request(c, src)
                     out.append(Request(c, src))
-                    n_peer += src != ORIGIN
-                    if n_peer >= free and self.origin_active >= self.config.origin_inflight:
+                    if src != ORIGIN:
+                        n_peer += 1
+                        if self.peers[src].inflight >= cap:
+                            ready = [x for x in ready if x[0] != src]
+                    if (n_peer >= free or not ready) and not (
+                            origin_ok and self.origin_active < self.config.origin_inflight):
                         return out
             if out or len(self._plan) < self.config.plan_size:
                 break  # nothing more is fetchable now, or the plan was complete
-        if n_peer == 0 and free > 0:
-            out += self._peer_first(now, free)
+        if n_peer == 0 and free > 0 and ready:
+            out += self._peer_first(now, free, ready)
         if not out and self.missing <= self.config.endgame_chunks:
             out = self._endgame(now)
         return out
@@ -292,7 +321,7 @@ class SwarmPolicy:
         fetchable = want & ((self.avail > 0) | self.origin_mask)
         cand = np.flatnonzero(fetchable)
         if len(cand) == 0:
-            self._plan = []
+            self._plan = cand
             return
         n_have = self.n_chunks - self.missing
         if n_have < self.config.random_first:
@@ -303,17 +332,13 @@ class SwarmPolicy:
         if len(cand) > k:
             part = np.argpartition(key, k)[:k]
             cand, key = cand[part], key[part]
-        self._plan = cand[np.argsort(key, kind="stable")].tolist()
+        self._plan = cand[np.argsort(key, kind="stable")]
 
-    def _choose_source(self, c: int, now: float, peers_ok: bool = True) -> str | None:
-        cap = self.config.max_per_peer if peers_ok else 0
+    def _choose_source(self, c: int, now: float, ready: list) -> str | None:
         best_local = best_remote = None
         bl = br = None
-        peers = self._peer_list
-        start = self._rnd.randrange(len(peers)) if peers else 0   # random among equals
-        for i in range(len(peers)):
-            pid, p = peers[(start + i) % len(peers)]
-            if p.inflight >= cap or not p.bits[c] or not p.usable(now):
+        for pid, p in ready:
+            if not p.bits[c]:
                 continue
             if p.rack == self.rack:
                 if bl is None or self._better(p, bl):
@@ -329,16 +354,13 @@ class SwarmPolicy:
             return ORIGIN
         return None
 
-    def _peer_first(self, now: float, free: int) -> list[Request]:
+    def _peer_first(self, now: float, free: int, ready: list) -> list[Request]:
         """The rarest chunks' holders are all busy: rather than idle, ask each idle peer for the
         rarest chunk *it* has (BitTorrent's order: the uploader first, then rarest among its pieces)."""
         out: list[Request] = []
         want = ~self.have & ~self.inflight_mask
-        peers = self._peer_list
-        start = self._rnd.randrange(len(peers)) if peers else 0
-        for i in range(len(peers)):
-            pid, p = peers[(start + i) % len(peers)]
-            if p.inflight or not p.usable(now):
+        for pid, p in ready:
+            if p.inflight:
                 continue
             cand = np.flatnonzero(p.bits & want)
             if p.rack != self.rack:
