@@ -64,6 +64,7 @@ class FetchJob:
             await self._copy_local()
             if not self.vs.complete:
                 await self._swarm()
+            await asyncio.to_thread(self.vs.write_verified)
             self.state, self.finished = "complete", time.time()
             log.info("version complete", extra={"vid": self.vs.vid, "bytes": self.bytes,
                                                 "seconds": round(self.finished - self.started, 3)})

@@ -171,6 +171,20 @@ class VersionStore:
         with self._lock:
             self.bits[index] = True
 
+    def write_verified(self) -> None:
+        """Hand-off to the model server: ``model/verified.json`` fingerprints (size, mtime) every file
+        of a complete version, so a file altered after verification is refused at load time."""
+        if not self.complete:
+            raise StoreError(f"version {self.vid[:12]} is not complete; nothing to hand over")
+        files = {}
+        for f in self.manifest.files:
+            st = os.stat(self.model_dir / f.path)
+            files[f.path] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": f.digest}
+        tmp = self.model_dir / ".verified.json.tmp"
+        tmp.write_text(json.dumps({"version": self.manifest.version, "model": self.manifest.model,
+                                   "version_id": self.vid, "files": files}))
+        os.replace(tmp, self.model_dir / "verified.json")
+
     def verify_files(self) -> list[str]:
         """Re-hash every file against the manifest's whole-file digests; return the bad paths."""
         bad = []

@@ -1,0 +1,49 @@
+"""The engine adapter: what the model server needs from whatever runs the model.
+
+The reference engine runs ``TinyTransformer`` in-process. A real engine (vLLM, SGLang, TGI) plugs in
+by implementing the same four calls — see docs/serving.md.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from serving.loader import LoadResult, load_model, pick_device
+
+
+class Engine(Protocol):
+    def load(self, version: str, model_dir: Path, memory_budget: int | None, in_use: int) -> int:
+        """Load and smoke-test ``version`` from a verified directory; return bytes held. Raise LoadError."""
+
+    def unload(self, version: str) -> None: ...
+
+    def infer(self, version: str, input_ids: list[list[int]]) -> dict: ...
+
+    def device(self) -> str: ...
+
+
+class ReferenceEngine:
+    def __init__(self, device: torch.device | None = None):
+        self._device = device or pick_device()
+        self.models: dict[str, LoadResult] = {}
+
+    def load(self, version: str, model_dir: Path, memory_budget: int | None, in_use: int) -> int:
+        res = load_model(model_dir, version, self._device, memory_budget, in_use)
+        self.models[version] = res
+        return res.nbytes
+
+    def unload(self, version: str) -> None:
+        self.models.pop(version, None)
+        if self._device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    @torch.no_grad()
+    def infer(self, version: str, input_ids: list[list[int]]) -> dict:
+        m = self.models[version].model
+        logits = m(torch.tensor(input_ids, device=self._device))[:, -1, :]
+        return {"next_token": logits.argmax(-1).tolist(), "logits_head": logits[:, :16].float().cpu().tolist()}
+
+    def device(self) -> str:
+        return str(self._device)

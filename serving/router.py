@@ -1,0 +1,234 @@
+"""The readiness-gated inference router (aiohttp) around ``RoutingTable``.
+
+Readiness is polled continuously (``GET /health/ready?model_version=V`` on every host for every known
+version); a failed forward or a host that answers "not ready" leaves the pool at once and the request
+is retried on another host ready for the *same* version. The answer's ``X-Model-Version`` must match
+the version routed to, or it is discarded.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+
+from serving.capacity import CapacityRules
+from serving.routing import RoutingError, RoutingTable
+from serving.http_json import json_object
+
+log = logging.getLogger("serving.router")
+
+
+class Router:
+    def __init__(self, poll_interval: float = 0.2, retries: int = 3, rules: CapacityRules | None = None,
+                 seed: int | None = None):
+        self.table = RoutingTable(seed)
+        self.poll_interval = poll_interval
+        self.retries = retries
+        self.rules = rules or CapacityRules()
+        self.loading: dict[str, set[str]] = {}       # model -> hosts holding a load permit
+        self.http: aiohttp.ClientSession | None = None
+        self._poller: asyncio.Task | None = None
+        r = self.registry = CollectorRegistry()
+        self.m_requests = Counter("router_requests_total", "Routed requests", ["model", "version", "outcome"], registry=r)
+        self.m_evictions = Counter("router_evictions_total", "Hosts dropped from a pool on a failed forward", registry=r)
+
+    async def start(self) -> None:
+        self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10, sock_connect=1))
+        self._poller = asyncio.create_task(self._poll_loop())
+
+    async def stop(self) -> None:
+        if self._poller:
+            self._poller.cancel()
+            await asyncio.gather(self._poller, return_exceptions=True)
+        if self.http:
+            await self.http.close()
+
+    async def _check(self, model: str, host: str, addr: str, version: str) -> None:
+        try:
+            async with self.http.get(f"{addr}/health/ready", params={"model_version": version},
+                                     timeout=aiohttp.ClientTimeout(total=1)) as r:
+                ok = r.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            ok = False
+        if model in self.table.models and host in self.table.models[model].hosts:
+            self.table.set_ready(model, host, version, ok)
+
+    async def poll_once(self) -> None:
+        checks = [self._check(m, h, a, v) for m, r in self.table.models.items()
+                  for h, a in list(r.hosts.items()) for v in list(r.weights)]
+        await asyncio.gather(*checks)
+
+    async def _poll_loop(self) -> None:
+        while True:
+            await self.poll_once()
+            await asyncio.sleep(self.poll_interval)
+
+    async def forward(self, model: str, version: str | None, payload: dict) -> tuple[int, dict]:
+        tried: set[str] = set()
+        last = "no attempt"
+        for _ in range(self.retries):
+            try:
+                host, addr, v = self.table.route(model, version, exclude=tried)
+            except RoutingError as e:
+                if tried:
+                    break
+                self.m_requests.labels(model, version or "", "refused").inc()
+                return e.status, {"error": str(e)}
+            tried.add(host)
+            try:
+                async with self.http.post(f"{addr}/v1/infer", json={**payload, "model_version": v}) as r:
+                    body = await r.json(content_type=None)
+                    if r.status == 200 and r.headers.get("X-Model-Version") == v and body.get("model_version") == v:
+                        self.m_requests.labels(model, v, "ok").inc()
+                        return 200, {**body, "routed_host": host}
+                    if r.status == 400:
+                        return 400, body
+                    last = f"{host} answered {r.status}"
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+                last = f"{host}: {type(e).__name__}"
+            self.table.set_ready(model, host, v, False)   # out of the pool at once; the poller may readmit it
+            self.m_evictions.inc()
+        self.m_requests.labels(model, version or "", "failed").inc()
+        return 503, {"error": f"no ready host answered ({last})"}
+
+
+def make_app(router: Router) -> web.Application:
+    app = web.Application(client_max_size=1024 * 1024)
+    t = router.table
+
+    async def body(request) -> dict:
+        return await json_object(request)
+
+    def err(e: RoutingError) -> web.Response:
+        return web.json_response({"error": str(e)}, status=e.status)
+
+    async def infer(request):
+        model = request.match_info["model"]
+        b = await body(request)
+        version = b.pop("model_version", None)
+        status, out = await router.forward(model, version, b)
+        return web.json_response(out, status=status)
+
+    async def put_hosts(request):
+        model = request.match_info["model"]
+        b = await body(request)
+        for host, addr in b.items():
+            if not isinstance(addr, str) or not addr.startswith("http"):
+                return web.json_response({"error": f"host {host}: address must be http(s)://..."}, status=400)
+        for host, addr in b.items():
+            t.add_host(model, host, addr)
+        return web.json_response({"hosts": t.models[model].hosts})
+
+    async def delete_host(request):
+        try:
+            t.remove_host(request.match_info["model"], request.match_info["host"])
+        except RoutingError as e:
+            return err(e)
+        return web.json_response({"removed": request.match_info["host"]})
+
+    async def add_version(request):
+        b = await body(request)
+        v = b.get("version")
+        if not isinstance(v, str) or not v:
+            return web.json_response({"error": "version must be a non-empty string"}, status=400)
+        t.add_version(request.match_info["model"], v)
+        await router.poll_once()
+        return web.json_response({"versions": t.models[request.match_info["model"]].weights})
+
+    async def put_weights(request):
+        model = request.match_info["model"]
+        b = await body(request)
+        await router.poll_once()      # decide on fresh readiness, not a cached one
+        try:
+            t.set_weights(model, b.get("weights") if isinstance(b.get("weights"), dict) else {})
+        except RoutingError as e:
+            return err(e)
+        return web.json_response({"weights": t.models[model].weights})
+
+    async def show(request):
+        try:
+            r = t.model(request.match_info["model"])
+        except RoutingError as e:
+            return err(e)
+        return web.json_response({"hosts": r.hosts, "weights": r.weights,
+                                  "ready": {v: r.ready_hosts(v) for v in r.weights},
+                                  "loading": sorted(router.loading.get(request.match_info["model"], ()))})
+
+    async def load_permit(request):
+        model = request.match_info["model"]
+        b = await body(request)
+        host = b.get("host")
+        held = router.loading.setdefault(model, set())
+        if host in held:
+            return web.json_response({"granted": True})
+        ok, why = router.rules.may_load(len(held))
+        if not ok:
+            return web.json_response({"granted": False, "reason": why}, status=409)
+        held.add(host)
+        return web.json_response({"granted": True})
+
+    async def release_load(request):
+        router.loading.get(request.match_info["model"], set()).discard(request.match_info["host"])
+        return web.json_response({"released": True})
+
+    async def unload_permit(request):
+        model = request.match_info["model"]
+        b = await body(request)
+        try:
+            r = t.model(model)
+        except RoutingError as e:
+            return err(e)
+        v = b.get("version")
+        await router.poll_once()
+        ok, why = router.rules.may_unload(len(r.ready_hosts(v)), r.weights.get(v, 0.0))
+        if not ok:
+            return web.json_response({"granted": False, "reason": why}, status=409)
+        t.set_ready(model, b.get("host"), v, False)    # drained before it is unloaded
+        return web.json_response({"granted": True})
+
+    async def metrics(_):
+        return web.Response(body=generate_latest(router.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    app.router.add_post("/v1/models/{model}/infer", infer)
+    app.router.add_put("/admin/models/{model}/hosts", put_hosts)
+    app.router.add_delete("/admin/models/{model}/hosts/{host}", delete_host)
+    app.router.add_post("/admin/models/{model}/versions", add_version)
+    app.router.add_put("/admin/models/{model}/weights", put_weights)
+    app.router.add_get("/admin/models/{model}", show)
+    app.router.add_post("/admin/models/{model}/permits/load", load_permit)
+    app.router.add_delete("/admin/models/{model}/permits/load/{host}", release_load)
+    app.router.add_post("/admin/models/{model}/permits/unload", unload_permit)
+    app.router.add_get("/metrics", metrics)
+
+    async def on_startup(_):
+        await router.start()
+
+    async def on_cleanup(_):
+        await router.stop()
+
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)
+    return app
+
+
+def main(argv=None) -> int:
+    from peerd.logging_setup import setup
+    ap = argparse.ArgumentParser(prog="router")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--listen", default="127.0.0.1")
+    ap.add_argument("--max-concurrent-loads", type=int, default=2)
+    ap.add_argument("--old-floor", type=int, default=1)
+    a = ap.parse_args(argv)
+    setup()
+    web.run_app(make_app(Router(rules=CapacityRules(a.max_concurrent_loads, a.old_floor))),
+                host=a.listen, port=a.port, print=None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

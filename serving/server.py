@@ -1,0 +1,175 @@
+"""The per-host model server: loads verified versions, smoke-tests them, answers readiness per version.
+
+``GET /health/ready?model_version=V`` is 200 only when V is verified, loaded and passed its smoke test
+on this host: fail closed (no model, no ready). Inference answers carry ``X-Model-Version``.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+
+from serving.engine import Engine, ReferenceEngine
+from serving.http_json import bad_request, json_object
+from serving.loader import LoadError
+
+log = logging.getLogger("serving.model_server")
+_VERSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,127}$")
+MAX_BODY = 1024 * 1024
+
+
+@dataclass
+class VersionState:
+    state: str = "loading"          # loading | ready | failed
+    reason: str = ""
+    code: str = ""
+    nbytes: int = 0
+    path: str = ""
+
+
+@dataclass
+class ModelServer:
+    host_id: str
+    engine: Engine = field(default_factory=ReferenceEngine)
+    max_versions: int = 2
+    memory_budget: int | None = None
+    versions: dict[str, VersionState] = field(default_factory=dict)
+
+    def __post_init__(self):
+        r = self.registry = CollectorRegistry()
+        self.m_requests = Counter("model_server_requests_total", "Inference requests", ["version", "outcome"], registry=r)
+        self.m_ready = Gauge("model_server_version_ready", "1 when a version is ready here", ["version"], registry=r)
+        self.m_loads = Counter("model_server_loads_total", "Load attempts", ["outcome"], registry=r)
+        self._lock = asyncio.Lock()
+
+    def in_use(self) -> int:
+        return sum(v.nbytes for v in self.versions.values() if v.state == "ready")
+
+    async def load(self, version: str, path: Path) -> VersionState:
+        async with self._lock:   # one load at a time per host
+            cur = self.versions.get(version)
+            if cur and cur.state == "ready":
+                return cur
+            ready = [v for v, s in self.versions.items() if s.state == "ready"]
+            if len(ready) >= self.max_versions:
+                vs = VersionState("failed", f"already holding {len(ready)} versions ({', '.join(ready)}); unload one first",
+                                  "capacity", path=str(path))
+                self.versions[version] = vs
+                return vs
+            vs = self.versions[version] = VersionState("loading", path=str(path))
+            try:
+                vs.nbytes = await asyncio.to_thread(self.engine.load, version, path, self.memory_budget, self.in_use())
+                vs.state = "ready"
+                self.m_loads.labels("ok").inc()
+                self.m_ready.labels(version).set(1)
+                log.info("version ready", extra={"version": version, "bytes": vs.nbytes})
+            except LoadError as e:
+                vs.state, vs.reason, vs.code = "failed", str(e), e.code
+                self.m_loads.labels(e.code).inc()
+                log.warning("load failed", extra={"version": version, "code": e.code, "error": str(e)})
+            return vs
+
+    def unload(self, version: str) -> bool:
+        vs = self.versions.pop(version, None)
+        if vs is None:
+            return False
+        self.engine.unload(version)
+        self.m_ready.labels(version).set(0)
+        return True
+
+
+def make_app(ms: ModelServer) -> web.Application:
+    app = web.Application(client_max_size=MAX_BODY)
+
+    def version_arg(v) -> str:
+        if not isinstance(v, str) or not _VERSION.match(v):
+            raise bad_request(f"model_version {v!r} must match {_VERSION.pattern}")
+        return v
+
+    async def body(request) -> dict:
+        return await json_object(request)
+
+    async def ready(request):
+        v = version_arg(request.query.get("model_version", ""))
+        vs = ms.versions.get(v)
+        if vs is None:
+            return web.json_response({"ready": False, "reason": f"version {v} is not loaded on {ms.host_id}"}, status=503)
+        if vs.state != "ready":
+            return web.json_response({"ready": False, "state": vs.state, "reason": vs.reason, "code": vs.code}, status=503)
+        return web.json_response({"ready": True, "version": v, "host": ms.host_id})
+
+    async def load(request):
+        b = await body(request)
+        v = version_arg(b.get("model_version"))
+        path = b.get("path")
+        if not isinstance(path, str) or not Path(path).is_dir():
+            return web.json_response({"error": f"path {path!r} is not a directory on {ms.host_id}"}, status=400)
+        vs = await ms.load(v, Path(path))
+        status = 200 if vs.state == "ready" else 409
+        return web.json_response({"model_version": v, **vs.__dict__}, status=status)
+
+    async def unload(request):
+        b = await body(request)
+        v = version_arg(b.get("model_version"))
+        if not ms.unload(v):
+            return web.json_response({"error": f"version {v} is not loaded on {ms.host_id}"}, status=404)
+        return web.json_response({"unloaded": v})
+
+    async def versions(_):
+        return web.json_response({"host": ms.host_id, "device": ms.engine.device(),
+                                  "versions": {v: s.__dict__ for v, s in ms.versions.items()}})
+
+    async def infer(request):
+        b = await body(request)
+        v = version_arg(b.get("model_version"))
+        ids = b.get("input_ids")
+        if (not isinstance(ids, list) or not ids or len(ids) > 64 or
+                not all(isinstance(r, list) and 0 < len(r) <= 64 and all(isinstance(x, int) and 0 <= x < 512 for x in r)
+                        for r in ids) or len({len(r) for r in ids}) != 1):
+            return web.json_response({"error": "input_ids must be 1-64 equal-length rows of 1-64 token ids in [0, 512)"},
+                                     status=400)
+        vs = ms.versions.get(v)
+        if vs is None or vs.state != "ready":
+            ms.m_requests.labels(v, "not_ready").inc()
+            known = vs is not None
+            return web.json_response({"error": f"version {v} is not ready on {ms.host_id}"}, status=409 if known else 404)
+        out = await asyncio.to_thread(ms.engine.infer, v, ids)
+        ms.m_requests.labels(v, "ok").inc()
+        return web.json_response({"model_version": v, "host": ms.host_id, **out}, headers={"X-Model-Version": v})
+
+    async def metrics(_):
+        return web.Response(body=generate_latest(ms.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    app.router.add_get("/health/ready", ready)
+    app.router.add_post("/v1/load", load)
+    app.router.add_post("/v1/unload", unload)
+    app.router.add_get("/v1/versions", versions)
+    app.router.add_post("/v1/infer", infer)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+def main(argv=None) -> int:
+    from peerd.logging_setup import setup
+    ap = argparse.ArgumentParser(prog="model-server")
+    ap.add_argument("--id", required=True)
+    ap.add_argument("--port", type=int, default=8100)
+    ap.add_argument("--listen", default="127.0.0.1")
+    ap.add_argument("--max-versions", type=int, default=2)
+    ap.add_argument("--memory-budget", type=int, default=None, help="bytes of weights this host may hold")
+    a = ap.parse_args(argv)
+    setup()
+    ms = ModelServer(a.id, max_versions=a.max_versions, memory_budget=a.memory_budget)
+    web.run_app(make_app(ms), host=a.listen, port=a.port, print=None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""Helpers for serving tests: real checkpoints of the reference model, verified the way peerd does it."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from peerd import manifest as mf
+from peerd.store import ChunkStore
+from serving.checkpoint import write_checkpoint
+from serving.model import ModelConfig
+
+SMALL = ModelConfig(vocab=512, d_model=64, n_layers=2, n_heads=2, d_ff=128, max_seq=32)
+
+
+def verified_version(tmp: Path, version: str, seed: int, key, config: ModelConfig = SMALL,
+                     tamper=None) -> Path:
+    """Write a checkpoint, put it through peerd's store (every chunk verified), return the model dir.
+
+    ``tamper(src_dir)`` may change the files before the manifest is built (a bad but signed checkpoint)."""
+    src = write_checkpoint(tmp / f"src-{version}", config, seed, shard_bytes=64 * 1024, version=version)
+    if tamper:
+        tamper(src)
+    m = mf.build_from_directory(src, "tiny", version, chunk_size=32 * 1024)
+    store = ChunkStore(tmp / f"store-{version}")
+    vs = store.open_version(m, json.dumps(mf.sign_manifest(m, key)).encode())
+    for c in m.chunks:
+        with open(src / c.file, "rb") as f:
+            f.seek(c.offset)
+            vs.commit_chunk(c.index, f.read(c.size))
+    vs.write_verified()
+    vs.close()
+    shutil.rmtree(src)
+    return vs.model_dir

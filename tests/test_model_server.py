@@ -1,0 +1,74 @@
+"""The model server over real HTTP on loopback."""
+import aiohttp
+import pytest
+from aiohttp import web
+
+from serving.server import ModelServer, make_app
+from tests.serving_fixtures import verified_version
+
+pytestmark = pytest.mark.asyncio
+
+
+async def serve(app) -> tuple[web.AppRunner, str]:
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+
+async def call(s, method, url, **kw):
+    async with s.request(method, url, **kw) as r:
+        return r.status, await r.json(content_type=None), r.headers
+
+
+async def test_readiness_is_per_version_and_fails_closed(tmp_path, keys):
+    v1 = verified_version(tmp_path, "v1", seed=1, key=keys["private"])
+    v2 = verified_version(tmp_path, "v2", seed=2, key=keys["private"])
+    ms = ModelServer("h1", memory_budget=None)
+    runner, addr = await serve(make_app(ms))
+    try:
+        async with aiohttp.ClientSession() as s:
+            assert (await call(s, "GET", addr + "/health/ready?model_version=v1"))[0] == 503   # nothing loaded
+            st, body, _ = await call(s, "POST", addr + "/v1/load", json={"model_version": "v1", "path": str(v1)})
+            assert st == 200 and body["state"] == "ready"
+            assert (await call(s, "GET", addr + "/health/ready?model_version=v1"))[0] == 200
+            assert (await call(s, "GET", addr + "/health/ready?model_version=v2"))[0] == 503
+            st, body, hdr = await call(s, "POST", addr + "/v1/infer", json={"model_version": "v1", "input_ids": [[1, 2, 3]]})
+            assert st == 200 and hdr["X-Model-Version"] == "v1" and len(body["next_token"]) == 1
+            st, body, _ = await call(s, "POST", addr + "/v1/infer", json={"model_version": "v9", "input_ids": [[1]]})
+            assert st == 404 and "v9" in body["error"]
+            # two versions side by side, then the old one unloaded
+            st, _, _ = await call(s, "POST", addr + "/v1/load", json={"model_version": "v2", "path": str(v2)})
+            assert st == 200
+            a = (await call(s, "POST", addr + "/v1/infer", json={"model_version": "v1", "input_ids": [[5, 6]]}))[1]
+            b = (await call(s, "POST", addr + "/v1/infer", json={"model_version": "v2", "input_ids": [[5, 6]]}))[1]
+            assert a["logits_head"] != b["logits_head"]
+            assert (await call(s, "POST", addr + "/v1/unload", json={"model_version": "v1"}))[0] == 200
+            assert (await call(s, "GET", addr + "/health/ready?model_version=v1"))[0] == 503
+            # bad input: clear 4xx
+            assert (await call(s, "POST", addr + "/v1/infer", json={"model_version": "v2", "input_ids": [[9999]]}))[0] == 400
+            assert (await call(s, "POST", addr + "/v1/infer", data=b"{"))[0] == 400
+            assert (await call(s, "GET", addr + "/health/ready?model_version=../x"))[0] == 400
+            assert (await call(s, "POST", addr + "/v1/load", json={"model_version": "v3", "path": "/nonexistent"}))[0] == 400
+    finally:
+        await runner.cleanup()
+
+
+async def test_oom_during_load_keeps_the_old_version_serving(tmp_path, keys):
+    v1 = verified_version(tmp_path, "v1", seed=1, key=keys["private"])
+    v2 = verified_version(tmp_path, "v2", seed=2, key=keys["private"])
+    ms = ModelServer("h1")
+    runner, addr = await serve(make_app(ms))
+    try:
+        async with aiohttp.ClientSession() as s:
+            assert (await call(s, "POST", addr + "/v1/load", json={"model_version": "v1", "path": str(v1)}))[0] == 200
+            ms.memory_budget = ms.in_use() + 10            # room for v1 only
+            st, body, _ = await call(s, "POST", addr + "/v1/load", json={"model_version": "v2", "path": str(v2)})
+            assert st == 409 and body["code"] == "oom" and "Unload" in body["reason"]
+            assert (await call(s, "GET", addr + "/health/ready?model_version=v2"))[0] == 503
+            assert (await call(s, "GET", addr + "/health/ready?model_version=v1"))[0] == 200
+            st, body, _ = await call(s, "POST", addr + "/v1/infer", json={"model_version": "v1", "input_ids": [[1]]})
+            assert st == 200
+    finally:
+        await runner.cleanup()
