@@ -15,6 +15,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from peerd import manifest as mf
 from peerd.client import PeerdClient
@@ -35,7 +36,10 @@ class SwarmBenchConfig:
     kill: int = 0
     corrupt_peers: int = 0
     timeout: float = 600.0
-    workdir: Path | None = None
+    workdir: Path | None = None            # kept afterwards when given
+    checkpoint: Callable[[Path], Path] | None = None   # writes the checkpoint; default random bytes
+    model: str = "bench"
+    version: str = "v1"
 
 
 def _verify_host(store: Path, m: mf.Manifest) -> tuple[bool, int]:
@@ -58,9 +62,9 @@ async def run_swarm_bench(cfg: SwarmBenchConfig, progress=None) -> dict:
     s3 = SeaweedS3(work / "s3").start()
     procs: list[PeerdProc] = []
     try:
-        ckpt = write_random_checkpoint(work / "ckpt", cfg.size, files=3)
+        ckpt = cfg.checkpoint(work / "ckpt") if cfg.checkpoint else write_random_checkpoint(work / "ckpt", cfg.size, files=3)
         generate_keypair(work / "key.pem", work / "key.pub")
-        m = mf.build_from_directory(ckpt, "bench", "v1", cfg.chunk)
+        m = mf.build_from_directory(ckpt, cfg.model, cfg.version, cfg.chunk)
         signed = mf.sign_manifest(m, load_private_key(work / "key.pem"))
         spec = OriginSpec(s3.endpoint, s3.bucket, "bench/v1")
         async with S3Origin(spec, ACCESS_KEY, SECRET_KEY) as o:
@@ -85,7 +89,7 @@ async def run_swarm_bench(cfg: SwarmBenchConfig, progress=None) -> dict:
             await c.__aenter__()
         t0 = time.time()
         await asyncio.gather(*(c.start_job(signed, origin, seeders) for c in clients))
-        lower = cfg.size / cfg.rate
+        lower = m.total_size / cfg.rate
         victims = [p for p in procs if p.id not in corrupt][-cfg.kill:] if cfg.kill else []
         killed: set[str] = set()
         last: dict[str, dict] = {}
@@ -102,7 +106,7 @@ async def run_swarm_bench(cfg: SwarmBenchConfig, progress=None) -> dict:
                     last[p.id] = st
             live = [p.id for p in procs if p.id not in killed]
             if progress:
-                progress(now, sum(last[i]["bytes_done"] for i in live if i in last), len(live) * cfg.size)
+                progress(now, sum(last[i]["bytes_done"] for i in live if i in last), len(live) * m.total_size)
             if all(i in last and last[i]["state"] in ("complete", "failed") for i in live):
                 break
             if now > cfg.timeout:
@@ -116,7 +120,7 @@ async def run_swarm_bench(cfg: SwarmBenchConfig, progress=None) -> dict:
         origin_bytes = sum(st["bytes_by_source"]["origin"] for st in last.values())
         checks = {i: _verify_host(work / "hosts" / i / "store", m) for i in survivors if i not in corrupt}
         pct = lambda q: times[min(len(times) - 1, int(q * len(times)))] if times else None
-        return {"hosts": cfg.hosts, "size": cfg.size, "rate": cfg.rate, "chunk": cfg.chunk, "chunks": len(m.chunks),
+        return {"hosts": cfg.hosts, "size": m.total_size, "version_id": m.digest, "workdir": str(work), "rate": cfg.rate, "chunk": cfg.chunk, "chunks": len(m.chunks),
                 "killed": sorted(killed), "corrupt_peers": sorted(corrupt), "failed": failed,
                 "lower_bound_s": lower, "p50_s": pct(0.5), "p90_s": pct(0.9), "max_s": times[-1] if times else None,
                 "ratio": (times[-1] / lower) if times else None,

@@ -1,5 +1,6 @@
 """Real peerd processes on loopback with the origin in SeaweedFS: the swarm and its faults."""
 import asyncio
+import json
 import uuid
 
 import aiohttp
@@ -31,6 +32,9 @@ async def test_swarm_completes_verified_with_one_origin_copy(tmp_path, seaweed, 
         done = await wait_all(fleet, ids, m.digest)
         assert all(s["state"] == "complete" for s in done.values())
         assert all(host_files_match(fleet, i, m, checkpoint) for i in ids)
+        # the hand-off to the model server: a fingerprint of every verified file
+        vj = json.loads((tmp_path / "a" / "store" / "versions" / m.digest / "model" / "verified.json").read_text())
+        assert vj["version"] == "v1" and set(vj["files"]) == {f.path for f in m.files}
         origin_bytes = sum(s["bytes_by_source"]["origin"] for s in done.values())
         assert origin_bytes <= 1.1 * m.total_size            # striped: about one copy from the origin
         assert sum(s["bytes_by_source"]["peer"] for s in done.values()) >= 2 * m.total_size

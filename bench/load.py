@@ -1,0 +1,85 @@
+"""`weightcast bench load`: load throughput against the page-cache read throughput of the same files.
+
+Both are measured in one run on the same checkpoint (files already in the page cache), so the ratio
+is meaningful on a noisy machine. On a GPU the host-to-device copy throughput is reported too.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from serving.checkpoint import write_checkpoint
+from serving.loader import load_model, pick_device
+from serving.model import ModelConfig
+
+
+def _fingerprint(d: Path, version: str) -> None:
+    """What peerd writes after verifying a version; here the benchmark verifies the files itself."""
+    files = {}
+    for p in sorted(d.iterdir()):
+        if p.is_file() and p.name != "verified.json":
+            h = hashlib.sha256()
+            with open(p, "rb") as f:
+                while b := f.read(8 << 20):
+                    h.update(b)
+            st = p.stat()
+            files[p.name] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": h.hexdigest()}
+    (d / "verified.json").write_text(json.dumps({"version": version, "files": files}))
+
+
+def _read_all(d: Path) -> int:
+    n = 0
+    for p in sorted(d.glob("*.safetensors")):
+        with open(p, "rb", buffering=0) as f:
+            buf = bytearray(16 << 20)
+            while k := f.readinto(buf):
+                n += k
+    return n
+
+
+def _h2d_gbps(nbytes: int) -> float | None:
+    if not torch.cuda.is_available():
+        return None
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(5):
+        dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    return 5 * nbytes / (time.perf_counter() - t0) / 1e9
+
+
+def run_load_bench(size: int, repeats: int = 3, workdir: Path | None = None) -> dict:
+    work = Path(workdir or tempfile.mkdtemp(prefix="wc-load-"))
+    try:
+        cfg = ModelConfig.for_size(size)
+        d = write_checkpoint(work / "ckpt", cfg, seed=1, shard_bytes=512 << 20, version="bench")
+        _fingerprint(d, "bench")
+        nbytes = _read_all(d)                        # warm the page cache
+        device = pick_device()
+        load_model(d, "bench", device)               # warm torch (first-call initialisation)
+        reads, loads = [], []
+        for _ in range(repeats):                     # interleaved, so both see the same machine state
+            t0 = time.perf_counter()
+            _read_all(d)
+            reads.append(nbytes / (time.perf_counter() - t0) / 1e9)
+            r = load_model(d, "bench", device)
+            loads.append(r.nbytes / r.seconds / 1e9)
+            del r
+        read_gbps, load_gbps = max(reads), max(loads)
+        return {"size_bytes": nbytes, "model": cfg.to_dict(), "device": str(device), "repeats": repeats,
+                "pagecache_read_gbps": round(read_gbps, 3), "load_gbps": round(load_gbps, 3),
+                "load_over_read": round(load_gbps / read_gbps, 3),
+                "h2d_gbps": _h2d_gbps(min(nbytes, 1 << 30))}
+    finally:
+        if workdir is None:
+            shutil.rmtree(work, ignore_errors=True)
