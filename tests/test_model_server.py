@@ -51,6 +51,9 @@ async def test_readiness_is_per_version_and_fails_closed(tmp_path, keys):
             assert (await call(s, "POST", addr + "/v1/infer", data=b"{"))[0] == 400
             assert (await call(s, "GET", addr + "/health/ready?model_version=../x"))[0] == 400
             assert (await call(s, "POST", addr + "/v1/load", json={"model_version": "v3", "path": "/nonexistent"}))[0] == 400
+            async with s.get(addr + "/metrics") as r:
+                text = await r.text()
+            assert 'model_server_requests_total{outcome="ok",version="v1"}' in text
     finally:
         await runner.cleanup()
 
