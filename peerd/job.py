@@ -120,6 +120,7 @@ class FetchJob:
             elif self.vs.vid in m.versions:
                 self.on_bitmap(m.id, m.rack, m.versions[self.vs.vid])
         next_tick = loop.time() + 1.0
+        started = loop.time()
         while not self.policy.complete:
             if self._fatal:
                 raise self._fatal
@@ -129,6 +130,7 @@ class FetchJob:
             if now >= next_tick:
                 self.policy.tick(now)
                 next_tick = now + 1.0
+                self._expire_unknown_seeders(now - started)
             self._wake.clear()
             wake_at = self.policy.wake_at(now)
             timeout = 0.25 if wake_at is None else min(0.25, max(0.005, wake_at - now))
@@ -136,6 +138,16 @@ class FetchJob:
                 await asyncio.wait_for(self._wake.wait(), timeout=timeout)
             except asyncio.TimeoutError:
                 pass
+
+    def _expire_unknown_seeders(self, age: float) -> None:
+        """A seeder no gossip has ever reached us from is as good as dead: its origin stripe moves
+        to the living seeders instead of waiting forever."""
+        if age < self.d.config.dead_after:
+            return
+        members = self.d.membership.members
+        for sid in self.seeders:
+            if sid != self.d.config.host_id and (sid not in members or members[sid].dead):
+                self.policy.member_dead(sid)
 
     # ---------------------------------------------------------------- events from the daemon
     def on_bitmap(self, peer_id: str, rack: str, packed: str) -> None:

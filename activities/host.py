@@ -1,0 +1,60 @@
+"""Host activities (task queue host-<id>): drive this host's peerd and model server. Idempotent:
+a retry re-attaches to peerd's job, which resumes from its bitmap."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import aiohttp
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+from peerd.client import PeerdClient, PeerdError
+from workflows.types import DistributeInput, DistributeResult, LoadInput
+
+
+class HostActivities:
+    def __init__(self, host_id: str, peerd_addr: str, token: str, store: Path, model_server: str):
+        self.host_id, self.peerd_addr, self.token = host_id, peerd_addr, token
+        self.store, self.model_server = Path(store), model_server
+
+    @activity.defn(name="distribute")
+    async def distribute(self, inp: DistributeInput) -> DistributeResult:
+        doc = json.loads(inp.signed_manifest)
+        t0 = time.monotonic()
+        async with PeerdClient(self.peerd_addr, self.token) as c:
+            try:
+                st = await c.start_job(doc, inp.origin, inp.seeders)
+            except PeerdError as e:
+                # a refused manifest or a full disk will not get better by retrying
+                raise ApplicationError(f"{self.host_id}: {e.message}", type=f"Peerd{e.status}",
+                                       non_retryable=e.status in (400, 401, 422, 507)) from None
+            vid = st["version_id"]
+            while True:
+                st = await c.job(vid)
+                activity.heartbeat({"chunks_done": st["chunks_done"], "chunks_total": st["chunks_total"],
+                                    "bytes_done": st["bytes_done"], "bytes_total": st["bytes_total"]})
+                if st["state"] == "complete":
+                    break
+                if st["state"] == "failed":
+                    err = st["error"] or {}
+                    raise ApplicationError(f"{self.host_id}: {err.get('code')}: {err.get('message')}",
+                                           type=f"Job_{err.get('code')}", non_retryable=err.get("code") == "disk_full")
+                await asyncio.sleep(0.2)
+        return DistributeResult(vid, st["bytes_total"], st["bytes_by_source"], time.monotonic() - t0)
+
+    @activity.defn(name="load_version")
+    async def load_version(self, inp: LoadInput) -> dict:
+        path = self.store / "versions" / inp.version_id / "model"
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as s:
+            async with s.post(f"{self.model_server}/v1/load", json={"model_version": inp.version, "path": str(path)}) as r:
+                body = await r.json(content_type=None)
+        if r.status != 200:
+            # fail closed: a version that does not verify, fit or pass its smoke test is not retried blindly
+            raise ApplicationError(f"{self.host_id}: load of {inp.version} failed: {body.get('code')}: "
+                                   f"{body.get('reason') or body.get('error')}", type="LoadFailed",
+                                   non_retryable=body.get("code") in ("altered", "unverified", "wrong_version",
+                                                                      "smoke_failed", "bad_checkpoint"))
+        return body

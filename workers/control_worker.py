@@ -1,0 +1,42 @@
+"""The control worker: rollout workflows and control-plane activities on ``weightcast-control``."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+from temporalio.client import Client
+from temporalio.worker import Worker
+
+from activities.control import ControlActivities
+from workflows.host_batch import HostBatchWorkflow
+from workflows.rollout import RolloutWorkflow
+from workflows.types import CONTROL_QUEUE
+
+WORKFLOWS = [RolloutWorkflow, HostBatchWorkflow]
+
+
+def build(client: Client, trusted_keys: list[Path]) -> Worker:
+    acts = ControlActivities(trusted_keys)
+    return Worker(client, task_queue=CONTROL_QUEUE, workflows=WORKFLOWS,
+                  activities=[acts.check_manifest, acts.set_traffic])
+
+
+async def run(address: str, namespace: str, trusted_keys: list[Path]) -> None:
+    client = await Client.connect(address, namespace=namespace)
+    await build(client, trusted_keys).run()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="weightcast-control-worker")
+    ap.add_argument("--temporal", default="127.0.0.1:7233")
+    ap.add_argument("--namespace", default="default")
+    ap.add_argument("--trusted-key", type=Path, action="append", required=True)
+    a = ap.parse_args(argv)
+    asyncio.run(run(a.temporal, a.namespace, a.trusted_key))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""The host worker: activities only, on ``host-<id>``, driving this host's peerd and model server."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+from temporalio.client import Client
+from temporalio.worker import Worker
+
+from activities.host import HostActivities
+from workflows.types import host_queue
+
+
+def build(client: Client, host_id: str, peerd_addr: str, token: str, store: Path, model_server: str) -> Worker:
+    acts = HostActivities(host_id, peerd_addr, token, store, model_server)
+    return Worker(client, task_queue=host_queue(host_id), activities=[acts.distribute, acts.load_version],
+                  max_concurrent_activities=8)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="weightcast-host-worker")
+    ap.add_argument("--id", required=True)
+    ap.add_argument("--temporal", default="127.0.0.1:7233")
+    ap.add_argument("--namespace", default="default")
+    ap.add_argument("--peerd", default="http://127.0.0.1:7700")
+    ap.add_argument("--token", default=os.environ.get("WEIGHTCAST_TOKEN", ""))
+    ap.add_argument("--store", type=Path, required=True, help="the same --store as this host's peerd")
+    ap.add_argument("--model-server", default="http://127.0.0.1:8100")
+    a = ap.parse_args(argv)
+
+    async def run():
+        client = await Client.connect(a.temporal, namespace=a.namespace)
+        await build(client, a.id, a.peerd, a.token, a.store, a.model_server).run()
+    asyncio.run(run())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

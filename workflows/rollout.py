@@ -1,0 +1,187 @@
+"""RolloutWorkflow: one durable rollout per (model, version), id ``rollout-<model>-<version>``.
+
+Phases (visible as current details and the ``RolloutPhase`` search attribute): manifest → distribute
+(seeding and swarm, every chunk verified on arrival) → verify → load (staged) → traffic → done.
+Deterministic: no I/O here, activities are named, time comes from the workflow clock.
+"""
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy, SearchAttributeKey
+from temporalio.exceptions import ActivityError, ApplicationError
+
+with workflow.unsafe.imports_passed_through():
+    from workflows.host_batch import HostBatchWorkflow
+    from workflows.types import (CONTROL_QUEUE, DistributeInput, HostBatchInput, HostOutcome, LoadInput,
+                                 ManifestInfo, RolloutInput, RolloutStatus, TrafficInput, host_queue)
+
+PHASE = SearchAttributeKey.for_keyword("RolloutPhase")
+
+
+@workflow.defn
+class RolloutWorkflow:
+    def __init__(self) -> None:
+        self.phase = "starting"
+        self.hosts: dict[str, str] = {}
+        self.errors: dict[str, str] = {}
+        self.paused = False
+        self.abort_reason = ""
+        self.max_loads = 2
+        self.loading = 0
+        self.traffic: dict[str, int] = {}
+        self.bytes_total = 0
+
+    # ---------------------------------------------------------------- controls
+    @workflow.query
+    def status(self) -> RolloutStatus:
+        counts: dict[str, int] = {}
+        for s in self.hosts.values():
+            counts[s] = counts.get(s, 0) + 1
+        done = sum(1 for s in self.hosts.values() if s in ("verified", "loading", "ready"))
+        return RolloutStatus(self.phase, dict(self.hosts), counts, done * self.bytes_total,
+                             len(self.hosts) * self.bytes_total, self.paused, dict(self.traffic), dict(self.errors))
+
+    @workflow.signal
+    def pause(self) -> None:
+        self.paused = True
+
+    @workflow.signal
+    def resume(self) -> None:
+        self.paused = False
+
+    @workflow.update
+    def abort(self, reason: str) -> str:
+        self.abort_reason = reason
+        return f"aborting: {reason}"
+
+    @abort.validator
+    def _validate_abort(self, reason: str) -> None:
+        if not isinstance(reason, str) or not reason.strip():
+            raise ValueError("abort needs a reason (it goes into the audit trail)")
+        if self.phase == "done":
+            raise ValueError("the rollout is already done; start a rollback instead")
+
+    @workflow.update
+    def set_max_concurrent_loads(self, n: int) -> int:
+        self.max_loads = n
+        return n
+
+    @set_max_concurrent_loads.validator
+    def _validate_loads(self, n: int) -> None:
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 10_000:
+            raise ValueError(f"max_concurrent_loads must be an integer in [1, 10000], got {n!r}")
+
+    # ---------------------------------------------------------------- phases
+    def _set_phase(self, phase: str, detail: str = "") -> None:
+        self.phase = phase
+        workflow.upsert_search_attributes([PHASE.value_set(phase)])
+        workflow.set_current_details(f"**{phase}** {detail}".strip())
+
+    async def _checkpoint(self) -> None:
+        """Between steps: honour pause and abort."""
+        await workflow.wait_condition(lambda: not self.paused or bool(self.abort_reason))
+        if self.abort_reason:
+            raise ApplicationError(f"aborted: {self.abort_reason}", type="Aborted", non_retryable=True)
+
+    @workflow.run
+    async def run(self, inp: RolloutInput) -> dict:
+        self.max_loads = inp.max_concurrent_loads
+        self.hosts = {h.id: "pending" for h in inp.hosts}
+        try:
+            return await self._run(inp)
+        except ApplicationError as e:
+            if e.type == "Aborted" and inp.router and inp.previous_version:
+                await self._traffic(inp, {inp.previous_version: 100}, [])
+            self._set_phase("failed", str(e))
+            raise
+
+    async def _run(self, inp: RolloutInput) -> dict:
+        self._set_phase("manifest", "checking the signature")
+        try:
+            info: ManifestInfo = await workflow.execute_activity(
+                "check_manifest", inp.signed_manifest, task_queue=CONTROL_QUEUE, result_type=ManifestInfo,
+                start_to_close_timeout=timedelta(minutes=5), summary="verify manifest signature")
+        except ActivityError as e:
+            raise ApplicationError(f"manifest refused, nothing loaded: {e.cause}", type="ManifestRefused",
+                                   non_retryable=True) from None
+        if (info.model, info.version) != (inp.model, inp.version):
+            raise ApplicationError(f"manifest is {info.model}/{info.version}, rollout is {inp.model}/{inp.version}",
+                                   non_retryable=True)
+        self.bytes_total = info.bytes_total
+
+        await self._checkpoint()
+        self._set_phase("distribute", f"{len(inp.hosts)} hosts, {info.bytes_total} bytes")
+        for h in self.hosts:
+            self.hosts[h] = "downloading"
+        seeders = [h.id for h in inp.hosts][:64]
+        dist = DistributeInput(inp.signed_manifest, inp.origin, seeders)
+        batches = [inp.hosts[i:i + inp.batch_size] for i in range(0, len(inp.hosts), inp.batch_size)]
+        results = await asyncio.gather(*(
+            workflow.execute_child_workflow(
+                HostBatchWorkflow.run, HostBatchInput(b, dist, inp.unreachable_after_s),
+                id=f"{workflow.info().workflow_id}-batch-{i}", result_type=list[HostOutcome])
+            for i, b in enumerate(batches)))
+        for outcome in (o for batch in results for o in batch):
+            self.hosts[outcome.host] = outcome.state
+            if outcome.error:
+                self.errors[outcome.host] = outcome.error
+        await self._budget(inp)
+
+        self._set_phase("verify", "every chunk was checked against the signed manifest on arrival")
+        good = [h for h, s in self.hosts.items() if s == "verified"]
+
+        await self._checkpoint()
+        self._set_phase("load", f"at most {self.max_loads} hosts at a time")
+        await asyncio.gather(*(self._load(h, inp, info) for h in good))
+        await self._budget(inp)
+        ready = [h for h, s in self.hosts.items() if s == "ready"]
+
+        if inp.router:
+            for step in inp.traffic_steps:
+                await self._checkpoint()
+                self._set_phase("traffic", f"{step}% to {inp.version}")
+                weights = {inp.version: step}
+                if inp.previous_version and step < 100:
+                    weights[inp.previous_version] = 100 - step
+                await self._traffic(inp, weights, ready)
+                await workflow.sleep(timedelta(seconds=inp.step_wait_s))
+        self._set_phase("done", f"{len(ready)} of {len(inp.hosts)} hosts ready on {inp.version}")
+        return {"version_id": info.version_id, "ready": sorted(ready), "hosts": dict(self.hosts),
+                "errors": dict(self.errors), "traffic": dict(self.traffic)}
+
+    async def _budget(self, inp: RolloutInput) -> None:
+        bad = [h for h, s in self.hosts.items() if s in ("failed", "unreachable")]
+        if len(bad) > inp.failure_budget * len(self.hosts):
+            self.paused = True
+            self._set_phase(self.phase, f"PAUSED: {len(bad)} hosts failed, over the {inp.failure_budget:.0%} "
+                                        "budget; resume or abort")
+            await self._checkpoint()
+
+    async def _load(self, host: str, inp: RolloutInput, info: ManifestInfo) -> None:
+        await workflow.wait_condition(lambda: self.loading < self.max_loads)
+        self.loading += 1
+        self.hosts[host] = "loading"
+        try:
+            await workflow.execute_activity(
+                "load_version", LoadInput(inp.version, info.version_id), task_queue=host_queue(host),
+                schedule_to_start_timeout=timedelta(seconds=inp.unreachable_after_s),
+                start_to_close_timeout=timedelta(minutes=30),
+                retry_policy=RetryPolicy(maximum_attempts=3), summary=f"load {inp.version} on {host}")
+            self.hosts[host] = "ready"
+        except ActivityError as e:
+            self.hosts[host] = "failed"
+            self.errors[host] = str(e.cause or e)
+        finally:
+            self.loading -= 1
+
+    async def _traffic(self, inp: RolloutInput, weights: dict[str, int], ready: list[str]) -> None:
+        await workflow.execute_activity(
+            "set_traffic", TrafficInput(inp.router, inp.model, weights,
+                                        {h.id: h.model_server for h in inp.hosts if h.id in ready}, sorted(weights)),
+            task_queue=CONTROL_QUEUE, start_to_close_timeout=timedelta(seconds=30),
+            retry_policy=RetryPolicy(initial_interval=timedelta(seconds=1), maximum_attempts=30),
+            summary=f"traffic {weights}")
+        self.traffic = dict(weights)
