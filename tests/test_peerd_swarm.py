@@ -49,19 +49,17 @@ async def test_swarm_completes_verified_with_one_origin_copy(tmp_path, seaweed, 
         fleet.stop()
 
 
-async def test_killed_peer_and_corrupt_peer(tmp_path, seaweed, keys, signed, checkpoint, prefix):
-    """One host is SIGKILLed mid-transfer and one serves flipped bytes: the rest finish, verified,
-    the corrupt peer is quarantined and its bytes are never kept."""
+async def test_killed_peer_mid_transfer(tmp_path, seaweed, keys, signed, checkpoint, prefix):
+    """One host is SIGKILLed mid-transfer: the rest finish, verified; its stripe moves to the living."""
     m, doc = signed
     origin = await publish(seaweed, checkpoint, prefix)
-    ids = ["a", "b", "c", "d", "bad"]
-    fleet = Fleet(tmp_path, seaweed, keys["pub_path"], ids, rate=RATE, corrupt={"bad"}).start()
+    ids = ["a", "b", "c", "d"]
+    fleet = Fleet(tmp_path, seaweed, keys["pub_path"], ids, rate=RATE).start()
     try:
         await asyncio.sleep(0.5)
-        honest = ["a", "b", "c", "d"]
         for i in ids:
             async with fleet.client(i) as c:
-                await c.start_job(doc, origin, seeders=honest)
+                await c.start_job(doc, origin, seeders=ids)
         async with fleet.client("d") as c:
             while (await c.job(m.digest))["chunks_done"] < 2:
                 await asyncio.sleep(0.02)
@@ -69,11 +67,27 @@ async def test_killed_peer_and_corrupt_peer(tmp_path, seaweed, keys, signed, che
         done = await wait_all(fleet, ["a", "b", "c"], m.digest)
         assert all(s["state"] == "complete" for s in done.values())
         assert all(host_files_match(fleet, i, m, checkpoint) for i in ["a", "b", "c"])
-        quarantined = set()
-        for i in ["a", "b", "c"]:
+    finally:
+        fleet.stop()
+
+
+async def test_corrupt_peer_is_quarantined_and_its_bytes_never_kept(tmp_path, seaweed, keys, signed, checkpoint, prefix):
+    """'late' can only fetch from an honest peer and one that flips a byte in everything it serves
+    (the origin is unreachable for it): it finishes from the honest one, verified, and quarantines
+    the other."""
+    m, doc = signed
+    origin = await publish(seaweed, checkpoint, prefix)
+    fleet = Fleet(tmp_path, seaweed, keys["pub_path"], ["a", "bad", "late"], corrupt={"bad"}).start()
+    try:
+        for i in ("a", "bad"):
             async with fleet.client(i) as c:
-                quarantined |= set((await c.status())["quarantined"])
-        assert quarantined == {"bad"}
+                await c.start_job(doc, origin, seeders=["a"])
+                assert (await c.wait(m.digest, 60))["state"] == "complete"
+        async with fleet.client("late") as c:
+            await c.start_job(doc, {**origin, "endpoint": "http://127.0.0.1:9"}, seeders=["late"])
+            st = await c.wait(m.digest, 60)
+            assert (await c.status())["quarantined"].keys() == {"bad"}
+        assert st["state"] == "complete" and host_files_match(fleet, "late", m, checkpoint)
     finally:
         fleet.stop()
 

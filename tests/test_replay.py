@@ -15,10 +15,16 @@ HISTORIES = sorted((Path(__file__).parent / "histories").glob("*.json"))
 @pytest.mark.asyncio
 @pytest.mark.parametrize("path", HISTORIES, ids=[p.stem for p in HISTORIES])
 async def test_golden_history_replays(path):
-    history = WorkflowHistory.from_json(path.stem, path.read_text())
+    history = WorkflowHistory.from_json(path.stem, path.read_text())   # file name = workflow id
     result = await Replayer(workflows=WORKFLOWS).replay_workflow(history, raise_on_replay_failure=False)
     assert result.replay_failure is None, f"{path.name} no longer replays: {result.replay_failure}"
 
 
 def test_there_are_golden_histories():
     assert HISTORIES, "no golden histories committed under tests/histories/"
+
+
+def test_replay_cli(capsys):
+    from weightcast.cli import main
+    assert main(["rollout", "replay", str(HISTORIES[0])]) == 0
+    assert '"replayed": true' in capsys.readouterr().out

@@ -92,7 +92,7 @@ async def test_rollout_end_to_end(tmp_path, seaweed, keys):
         if os.environ.get("WEIGHTCAST_RECORD_HISTORIES"):
             HISTORIES.mkdir(exist_ok=True)
             hist = await handle.fetch_history()
-            (HISTORIES / "rollout_end_to_end.json").write_text(hist.to_json())
+            (HISTORIES / f"{wid}.json").write_text(hist.to_json())   # named by workflow id: replay needs it
     finally:
         await s.stop()
 

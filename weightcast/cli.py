@@ -144,6 +144,72 @@ def cmd_demo(a) -> int:
     return 0 if res["ok"] else 1
 
 
+def _rollout_client(a):
+    from temporalio.client import Client
+    return Client.connect(a.temporal, namespace=a.namespace)
+
+
+def cmd_rollout(a) -> int:
+    """start | status | pause | resume | abort | set-concurrency | replay."""
+    from dataclasses import asdict
+
+    from workflows.rollout import RolloutWorkflow
+
+    if a.sub == "replay":
+        from temporalio.client import WorkflowHistory
+        from temporalio.worker import Replayer
+
+        from workers.control_worker import WORKFLOWS
+        hist = WorkflowHistory.from_json(a.history.stem, a.history.read_text())
+        res = asyncio.run(Replayer(workflows=WORKFLOWS).replay_workflow(hist, raise_on_replay_failure=False))
+        ok = res.replay_failure is None
+        print(json.dumps({"history": str(a.history), "replayed": ok,
+                          "failure": None if ok else str(res.replay_failure)}))
+        return 0 if ok else 1
+
+    async def go():
+        client = await _rollout_client(a)
+        if a.sub == "start":
+            from workflows.types import HostSpec, RolloutInput
+            from weightcast.rollouts import start_rollout
+            spec = json.loads(a.input.read_text())
+            spec["hosts"] = [HostSpec(**h) for h in spec["hosts"]]
+            h = await start_rollout(client, RolloutInput(**spec))
+            print(json.dumps({"workflow_id": h.id, "run_id": h.result_run_id}))
+            return 0
+        h = client.get_workflow_handle(a.id)
+        if a.sub == "status":
+            while True:
+                st = await h.query(RolloutWorkflow.status)
+                done = sum(st.counts.get(k, 0) for k in ("verified", "loading", "ready"))
+                line = {"phase": st.phase, "hosts": st.counts, "paused": st.paused, "traffic": st.traffic,
+                        "errors": st.errors}
+                if not a.watch:
+                    print(json.dumps(asdict(st)))
+                    return 0
+                Progress(f"{a.id} {st.phase}")(0.0, done, max(1, len(st.hosts)))
+                if st.phase in ("done", "failed"):
+                    print("\n" + json.dumps(line))
+                    return 0
+                await asyncio.sleep(1)
+        if a.sub == "pause":
+            await h.signal(RolloutWorkflow.pause)
+        elif a.sub == "resume":
+            await h.signal(RolloutWorkflow.resume)
+        elif a.sub == "abort":
+            print(await h.execute_update(RolloutWorkflow.abort, a.reason))
+        elif a.sub == "set-concurrency":
+            print(await h.execute_update(RolloutWorkflow.set_max_concurrent_loads, a.n))
+        return 0
+
+    from temporalio.client import WorkflowUpdateFailedError
+    try:
+        return asyncio.run(go())
+    except WorkflowUpdateFailedError as e:
+        print(f"error: refused: {e.cause}", file=sys.stderr)
+        return 2
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="weightcast", description="Roll model checkpoints out to a GPU fleet.")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -199,6 +265,29 @@ def build_parser() -> argparse.ArgumentParser:
     bl.add_argument("--repeats", type=int, default=3)
     bl.add_argument("--json", action="store_true")
     bl.set_defaults(fn=cmd_bench_load)
+
+    ro = sub.add_parser("rollout", help="start, watch and steer rollouts (Temporal)").add_subparsers(dest="sub", required=True)
+    for name, hlp in [("start", "start (or attach to) the rollout described by a JSON RolloutInput"),
+                      ("status", "show a rollout's status"), ("pause", "pause between steps"),
+                      ("resume", "resume a paused rollout"), ("abort", "abort; traffic goes back"),
+                      ("set-concurrency", "change max_concurrent_loads"),
+                      ("replay", "replay a saved history against this code (on-call)")]:
+        p = ro.add_parser(name, help=hlp)
+        p.add_argument("--temporal", default="127.0.0.1:7233")
+        p.add_argument("--namespace", default="default")
+        p.set_defaults(fn=cmd_rollout)
+        if name == "start":
+            p.add_argument("input", type=Path)
+        elif name == "replay":
+            p.add_argument("history", type=Path)
+        else:
+            p.add_argument("id", help="workflow id, rollout-<model>-<version>")
+        if name == "status":
+            p.add_argument("--watch", action="store_true", help="live progress until done")
+        if name == "abort":
+            p.add_argument("--reason", required=True)
+        if name == "set-concurrency":
+            p.add_argument("n", type=int)
 
     d = sub.add_parser("demo", help="a real end-to-end distribution on loopback")
     d.add_argument("--hosts", type=int, default=4)
