@@ -5,7 +5,6 @@ import asyncio
 import hmac
 import json
 import logging
-import os
 import re
 
 from aiohttp import web

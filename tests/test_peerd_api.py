@@ -4,7 +4,6 @@ import json
 import aiohttp
 import pytest
 
-from peerd import manifest as mf
 from tests.fleet import TOKEN, Fleet
 
 pytestmark = pytest.mark.asyncio

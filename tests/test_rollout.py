@@ -11,7 +11,6 @@ import pytest
 from temporalio.client import WorkflowFailureError, WorkflowUpdateFailedError
 from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.testing import WorkflowEnvironment
-from temporalio.worker import Worker
 
 from peerd import manifest as mf
 from serving.checkpoint import write_checkpoint

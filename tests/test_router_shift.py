@@ -46,7 +46,7 @@ async def test_full_shift_with_kills_misroutes_nothing(tmp_path, keys):
                 stats["errors"] += 1
                 continue
             stats["ok"] += 1
-            v, host = out["model_version"], out["routed_host"]
+            v = out["model_version"]
             if pin and v != pin:
                 stats["wrong_version"] += 1
             with torch.no_grad():   # the answer must be the one *that* version's weights give
@@ -71,7 +71,6 @@ async def test_full_shift_with_kills_misroutes_nothing(tmp_path, keys):
             st, body = await post(f"{raddr}/admin/models/tiny/weights", {"weights": {"v1": 50, "v2": 50}}, ok=(409,))
             assert "v2" in body["error"]
 
-            rnd = random.Random(3)
             clients = [asyncio.create_task(client(s, random.Random(i))) for i in range(4)]
             killed = "h3"
             for step, (h, w2) in enumerate([("h0", 1), ("h1", 10), ("h2", 50), (None, 100)]):

@@ -11,7 +11,6 @@ The Temporal control plane that will drive steps 2–4 as a durable workflow is 
 """
 from __future__ import annotations
 
-import asyncio
 import shutil
 import sys
 import tempfile

@@ -10,6 +10,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from weightcast.stack.processes import stop_process
+
 
 @dataclass
 class PeerdProc:
@@ -48,12 +50,7 @@ class PeerdProc:
             self.proc.wait()
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        stop_process(self.proc)
 
 
 def fleet_args(me: str, ports: dict[str, int], *, token: str, trusted_key: Path, rate: float | None,

