@@ -25,4 +25,5 @@ def test_demo_end_to_end():
 
     from weightcast.demo import run_demo
     res = asyncio.run(run_demo(hosts=3, size=8 << 20, rate=32 << 20, progress=None))
-    assert res["ok"] and res["swarm"]["all_verified"] and res["inference"]["matches_reference_weights"]
+    assert res["ok"] and res["hosts_ready"] == ["h0", "h1", "h2"]
+    assert res["inference"]["matches_reference_weights"] and res["traffic"] == {res["inference"]["model_version"]: 100}

@@ -1,6 +1,5 @@
 """RolloutWorkflow against the real Temporal dev server, real peerd processes, real S3, real
 model servers and router (loopback)."""
-import asyncio
 import json
 import os
 import uuid
@@ -10,18 +9,13 @@ import aiohttp
 import pytest
 from temporalio.client import WorkflowFailureError, WorkflowUpdateFailedError
 from temporalio.exceptions import WorkflowAlreadyStartedError
-from temporalio.testing import WorkflowEnvironment
 
 from peerd import manifest as mf
 from serving.checkpoint import write_checkpoint
-from serving.router import Router, make_app as router_app
-from serving.server import ModelServer, make_app as server_app
-from tests.fleet import TOKEN, Fleet, publish
+from tests.fleet import publish
 from tests.serving_fixtures import SMALL
-from tests.test_model_server import serve
 from weightcast.rollouts import start_rollout
-from weightcast.stack.temporal import SEARCH_ATTRIBUTES, temporal_binary
-from workers import control_worker, host_worker
+from weightcast.stack.embedded import EmbeddedStack
 from workflows.rollout import RolloutWorkflow
 from workflows.types import CONTROL_QUEUE, HostSpec, RolloutInput
 
@@ -30,44 +24,24 @@ HISTORIES = Path(__file__).parent / "histories"
 
 
 class Stack:
-    """Everything a rollout touches, started for one test."""
+    """The embedded stack plus a published, signed checkpoint, for one test."""
 
     async def start(self, tmp: Path, seaweed, keys, ids: list[str]):
-        self.env = await WorkflowEnvironment.start_local(dev_server_existing_path=temporal_binary(),
-                                                         search_attributes=SEARCH_ATTRIBUTES)
-        self.client = self.env.client
         src = write_checkpoint(tmp / "ckpt", SMALL, seed=5, shard_bytes=64 * 1024, version="v1")
         self.m = mf.build_from_directory(src, "tiny", "v1", chunk_size=64 * 1024)
         self.signed = json.dumps(mf.sign_manifest(self.m, keys["private"]))
         self.origin = await publish(seaweed, src, f"r/{uuid.uuid4().hex[:8]}")
-        self.fleet = Fleet(tmp, seaweed, keys["pub_path"], ids).start()
-        self.servers, self.runners, self.hosts = {}, [], []
-        self.router = Router(poll_interval=0.1)
-        rr, self.router_addr = await serve(router_app(self.router))
-        self.runners.append(rr)
-        workers = [control_worker.build(self.client, [keys["pub_path"]])]
-        for i in ids:
-            self.servers[i] = ModelServer(i)
-            r, addr = await serve(server_app(self.servers[i]))
-            self.runners.append(r)
-            self.hosts.append(HostSpec(i, model_server=addr))
-            workers.append(host_worker.build(self.client, i, self.fleet.procs[i].addr, TOKEN,
-                                             tmp / i / "store", addr))
-        self.workers = workers
-        self._tasks = [asyncio.create_task(w.run()) for w in workers]
+        self.stack = await EmbeddedStack(tmp / "stack", keys["pub_path"], ids, s3=seaweed).start()
+        self.client, self.servers = self.stack.client, self.stack.model_servers
+        self.router_addr, self.hosts = self.stack.router_addr, self.stack.hosts
         return self
 
     def input(self, **kw) -> RolloutInput:
         return RolloutInput(model="tiny", version="v1", signed_manifest=self.signed, origin=self.origin,
-                            hosts=self.hosts, router=self.router_addr, step_wait_s=0.2, **kw)
+                            hosts=list(self.hosts), router=self.router_addr, step_wait_s=0.2, **kw)
 
     async def stop(self):
-        for w in self.workers:
-            await w.shutdown()
-        for r in self.runners:
-            await r.cleanup()
-        self.fleet.stop()
-        await self.env.shutdown()
+        await self.stack.stop()
 
 
 async def test_rollout_end_to_end(tmp_path, seaweed, keys):

@@ -132,15 +132,15 @@ def cmd_bench_load(a) -> int:
 
 def cmd_demo(a) -> int:
     from weightcast.demo import run_demo
-    print(f"weightcast demo: SeaweedFS origin + {a.hosts} peerd hosts + model servers + router on 127.0.0.1, "
-          f"a ~{a.size >> 20} MiB transformer checkpoint, every link limited to {a.rate / 2**20:.0f} MiB/s",
+    print(f"weightcast demo: Temporal dev server + SeaweedFS + {a.hosts} hosts (peerd, model server, host worker) "
+          f"+ router on 127.0.0.1; a ~{a.size >> 20} MiB transformer; links limited to {a.rate / 2**20:.0f} MiB/s",
           file=sys.stderr)
-    bar = Progress("distribute")
-    res = asyncio.run(run_demo(a.hosts, a.size, a.rate, bar))
+    bar = Progress("rollout")
+    res = asyncio.run(run_demo(a.hosts, a.size, a.rate, lambda t, d, n, phase: bar(t, d, n), a.keep_ui))
     bar.close()
     print(json.dumps(res, indent=1))
-    print("OK: verified on every host, loaded, smoke-tested, and answering through the router"
-          if res["ok"] else "FAILED", file=sys.stderr)
+    print("OK: rolled out through Temporal, verified on every host, loaded, smoke-tested, answering "
+          "through the router" if res["ok"] else "FAILED", file=sys.stderr)
     return 0 if res["ok"] else 1
 
 
@@ -293,6 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--hosts", type=int, default=4)
     d.add_argument("--size", type=parse_size, default=parse_size("48M"))
     d.add_argument("--rate", type=parse_rate, default=parse_rate("16M"))
+    d.add_argument("--keep-ui", type=float, default=0.0, help="seconds to keep the stack (and UI) up at the end")
     d.set_defaults(fn=cmd_demo)
     return ap
 

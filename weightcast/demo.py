@@ -1,87 +1,99 @@
-"""`weightcast demo` (what `make demo` runs): a real end-to-end rollout on loopback.
+"""`weightcast demo` (what `make demo` runs): a real rollout end to end, on loopback.
 
-1. writes a real checkpoint of the reference transformer (sharded safetensors + smoke material);
-2. publishes it to SeaweedFS, signs its manifest and distributes it to N peerd hosts through the
-   swarm, rate-limited, with a live progress bar;
-3. loads the verified files on each host's model server (smoke-tested, fail closed);
-4. registers the hosts with the router, moves 100% of the traffic to the version once it is ready
-   everywhere, and sends an inference request through the router, checking the answer against the
-   reference weights.
-The Temporal control plane that will drive steps 2–4 as a durable workflow is not built yet.
+1. writes a real checkpoint of the reference transformer (sharded safetensors + smoke material),
+   publishes it to SeaweedFS and signs its manifest;
+2. starts the embedded stack: the Temporal dev server (UI on), N hosts (peerd + model server +
+   host worker, links rate-limited), the router and the control worker;
+3. starts RolloutWorkflow and shows its progress: manifest → distribute (swarm) → verify → staged
+   load (smoke-tested) → traffic steps;
+4. sends an inference request through the router and checks the answer against the reference
+   weights, then prints the Temporal UI link to the rollout.
 """
 from __future__ import annotations
 
+import asyncio
+import json
 import shutil
 import sys
 import tempfile
+import uuid
 from pathlib import Path
 
 import aiohttp
 import torch
 
-from bench.swarm import SwarmBenchConfig, run_swarm_bench
+from peerd import manifest as mf
+from peerd.origin import OriginSpec, S3Origin
+from peerd.signing import generate_keypair, load_private_key
 from serving.checkpoint import write_checkpoint
 from serving.model import ModelConfig, init_model
-from serving.router import Router, make_app as router_app
-from serving.server import ModelServer, make_app as server_app
+from weightcast.rollouts import start_rollout
+from weightcast.stack.embedded import EmbeddedStack
+from weightcast.stack.seaweed import ACCESS_KEY, SECRET_KEY
+from workflows.rollout import RolloutWorkflow
+from workflows.types import RolloutInput
 
 
-async def _serve(app):
-    from aiohttp import web
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
-
-
-async def run_demo(hosts: int, size: int, rate: float, progress) -> dict:
+async def run_demo(hosts: int, size: int, rate: float, progress=None, keep_ui_s: float = 0.0) -> dict:
     work = Path(tempfile.mkdtemp(prefix="wc-demo-"))
-    mcfg = ModelConfig.for_size(size)
-    seed, version = 7, "v1"
-    runners = []
+    mcfg, seed = ModelConfig.for_size(size), 7
+    version = f"v{uuid.uuid4().hex[:6]}"       # a fresh version each run: a second `make demo` works too
+    stack = None
     try:
-        cfg = SwarmBenchConfig(hosts=hosts, size=size, rate=rate, chunk=1 << 20, workdir=work, model="demo",
-                               version=version,
-                               checkpoint=lambda d: write_checkpoint(d, mcfg, seed, shard_bytes=16 << 20, version=version))
-        swarm = await run_swarm_bench(cfg, progress)
-        print(f"swarm: {swarm['max_s']:.1f}s for {swarm['size'] / 2**20:.0f} MiB to {hosts} hosts "
-              f"({swarm['ratio']:.2f}x the lower bound), origin sent {swarm['origin_copies']:.2f} copies",
-              file=sys.stderr)
-        router = Router(poll_interval=0.1)
-        rr, raddr = await _serve(router_app(router))
-        runners.append(rr)
-        addrs = {}
+        src = write_checkpoint(work / "ckpt", mcfg, seed, shard_bytes=16 << 20, version=version)
+        generate_keypair(work / "key.pem", work / "key.pub")
+        m = mf.build_from_directory(src, "demo", version, chunk_size=1 << 20)
+        signed = json.dumps(mf.sign_manifest(m, load_private_key(work / "key.pem")))
+        stack = await EmbeddedStack(work / "stack", work / "key.pub", [f"h{i}" for i in range(hosts)],
+                                    rate=rate, ui=True).start()
+        spec = OriginSpec(stack.s3.endpoint, stack.s3.bucket, f"demo/{version}")
+        async with S3Origin(spec, ACCESS_KEY, SECRET_KEY) as o:
+            await o.ensure_bucket()
+            await o.upload_directory(src)
+        inp = RolloutInput(model="demo", version=version, signed_manifest=signed,
+                           origin={"endpoint": spec.endpoint, "bucket": spec.bucket, "prefix": spec.prefix},
+                           hosts=stack.hosts, router=stack.router_addr, step_wait_s=0.5)
+        handle = await start_rollout(stack.client, inp)
+        print(f"rollout {handle.id} started; Temporal UI: {stack.ui_url(handle.id)}", file=sys.stderr)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        result_task = asyncio.ensure_future(handle.result())
+        while not result_task.done():
+            st = await handle.query(RolloutWorkflow.status)
+            if progress:
+                ready = st.counts.get("ready", 0)
+                bytes_done = sum(p["bytes_done"] for p in await _peerd_progress(stack, m.digest))
+                progress(loop.time() - t0, bytes_done + ready, m.total_size * hosts + hosts, st.phase)
+            await asyncio.wait([result_task], timeout=0.5)
+        result = result_task.result()
+        elapsed = loop.time() - t0
+        ids = [[1, 2, 3, 4, 5]]
         async with aiohttp.ClientSession() as s:
-            for i in range(hosts):
-                r, addrs[f"h{i}"] = await _serve(server_app(ModelServer(f"h{i}")))
-                runners.append(r)
-                model_dir = work / "hosts" / f"h{i}" / "store" / "versions" / swarm["version_id"] / "model"
-                async with s.post(addrs[f"h{i}"] + "/v1/load", json={"model_version": version, "path": str(model_dir)}) as resp:
-                    body = await resp.json()
-                    if resp.status != 200:
-                        raise RuntimeError(f"h{i} could not load {version}: {body}")
-            async with s.put(raddr + "/admin/models/demo/hosts", json=addrs) as resp:
-                resp.raise_for_status()
-            async with s.post(raddr + "/admin/models/demo/versions", json={"version": version}) as resp:
-                resp.raise_for_status()
-            async with s.put(raddr + "/admin/models/demo/weights", json={"weights": {version: 100}}) as resp:
-                body = await resp.json()
-                if resp.status != 200:
-                    raise RuntimeError(f"router refused the traffic shift: {body}")
-            ids = [[1, 2, 3, 4, 5]]
-            async with s.post(raddr + "/v1/models/demo/infer", json={"input_ids": ids}) as resp:
-                answer = await resp.json()
-                if resp.status != 200:
-                    raise RuntimeError(f"inference through the router failed: {answer}")
+            async with s.post(f"{stack.router_addr}/v1/models/demo/infer", json={"input_ids": ids}) as r:
+                answer = await r.json()
         with torch.no_grad():
             want = init_model(mcfg, seed)(torch.tensor(ids))[:, -1, :16]
-        correct = bool(torch.allclose(torch.tensor(answer["logits_head"]), want, atol=1e-4))
-        return {"swarm": {k: swarm[k] for k in ("hosts", "size", "lower_bound_s", "max_s", "ratio", "origin_copies",
-                                                 "all_verified", "corrupt_chunks_accepted")},
-                "inference": {"routed_host": answer["routed_host"], "model_version": answer["model_version"],
-                              "next_token": answer["next_token"], "matches_reference_weights": correct},
-                "ok": swarm["all_verified"] and correct}
+        correct = r.status == 200 and bool(torch.allclose(torch.tensor(answer["logits_head"]), want, atol=1e-4))
+        if keep_ui_s:
+            await asyncio.sleep(keep_ui_s)
+        return {"workflow_id": handle.id, "temporal_ui": stack.ui_url(handle.id), "rollout_s": round(elapsed, 2),
+                "bytes": m.total_size, "hosts_ready": result["ready"], "traffic": result["traffic"],
+                "inference": {"routed_host": answer.get("routed_host"), "model_version": answer.get("model_version"),
+                              "matches_reference_weights": correct},
+                "ok": correct and len(result["ready"]) == hosts}
     finally:
-        for r in runners:
-            await r.cleanup()
+        if stack:
+            await stack.stop()
         shutil.rmtree(work, ignore_errors=True)
+
+
+async def _peerd_progress(stack: EmbeddedStack, vid: str) -> list[dict]:
+    from peerd.client import PeerdClient, PeerdError
+    out = []
+    for p in stack.peerd.values():
+        try:
+            async with PeerdClient(p.addr, stack.token) as c:
+                out.append(await c.job(vid))
+        except (PeerdError, aiohttp.ClientError):
+            out.append({"bytes_done": 0})
+    return out
