@@ -112,9 +112,13 @@ async def run_swarm_bench(cfg: SwarmBenchConfig, progress=None) -> dict:
             if now > cfg.timeout:
                 raise TimeoutError(f"swarm not complete after {cfg.timeout}s")
             await asyncio.sleep(0.1)
+        survivors = [i for i in ids if i not in killed]
+        quarantined = set()
+        for p, c in zip(procs, clients):
+            if p.id in survivors and p.id not in corrupt:
+                quarantined |= set((await c.status())["quarantined"])
         for c in clients:
             await c.__aexit__(None, None, None)
-        survivors = [i for i in ids if i not in killed]
         times = sorted(last[i]["finished"] - t0 for i in survivors if last[i]["state"] == "complete")
         failed = [i for i in survivors if last[i]["state"] != "complete"]
         origin_bytes = sum(st["bytes_by_source"]["origin"] for st in last.values())
@@ -127,7 +131,7 @@ async def run_swarm_bench(cfg: SwarmBenchConfig, progress=None) -> dict:
                 "origin_copies": origin_bytes / m.total_size,
                 "all_verified": all(ok for ok, _ in checks.values()) and not failed,
                 "corrupt_chunks_accepted": sum(bad for _, bad in checks.values()),
-                "quarantines_reported": {i: None for i in corrupt}}
+                "quarantined_by_honest_hosts": sorted(quarantined)}
     finally:
         for p in procs:
             p.stop()

@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--upload-rate", type=rate, default=None, help="bytes/s (default unlimited)")
     ap.add_argument("--download-rate", type=rate, default=None, help="bytes/s (default unlimited)")
     ap.add_argument("--origin-rate", type=rate, default=None, help="bytes/s of origin reads (default unlimited)")
+    ap.add_argument("--max-uploads", type=int, default=16, help="concurrent chunk uploads before 503 busy")
     ap.add_argument("--gossip-interval", type=float, default=1.0)
     ap.add_argument("--have-interval", type=float, default=0.1)
     ap.add_argument("--dead-after", type=float, default=5.0)
@@ -57,7 +58,7 @@ def config_from_args(a) -> PeerdConfig:
                        rack=a.rack, token=a.token, trusted_keys=a.trusted_key, seed_peers=a.peer,
                        upload_rate=a.upload_rate, download_rate=a.download_rate, origin_rate=a.origin_rate,
                        gossip_interval=a.gossip_interval, have_interval=a.have_interval, dead_after=a.dead_after,
-                       reserve_bytes=a.reserve_bytes, ready_file=a.ready_file,
+                       reserve_bytes=a.reserve_bytes, ready_file=a.ready_file, max_uploads=a.max_uploads,
                        fault_corrupt_uploads=a.fault_corrupt_uploads)
 
 
