@@ -111,8 +111,7 @@ class Daemon:
         self.quarantined[peer_id] = why
         self.metrics.quarantined.set(len(self.quarantined))
         for j in self.jobs.values():
-            if j.policy:
-                j._cancel(j.policy.quarantine(peer_id))
+            j.on_quarantine(peer_id)
 
     def auth_headers(self) -> dict:
         return {"Authorization": f"Bearer {self.config.token}"} if self.config.token else {}

@@ -159,6 +159,10 @@ class FetchJob:
                                 asyncio.get_running_loop().time(), rack=rack)
         self._wake.set()
 
+    def on_quarantine(self, peer_id: str) -> None:
+        if self.policy is not None:
+            self._cancel(self.policy.quarantine(peer_id))
+
     def on_peer_dead(self, peer_id: str) -> None:
         if self.policy is not None:
             self._cancel(self.policy.peer_dead(peer_id))

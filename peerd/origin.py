@@ -65,7 +65,7 @@ class S3Origin:
     async def __aexit__(self, *exc):
         await self._stack.aclose()
 
-    async def read_range(self, path: str, offset: int, size: int, on_piece=None) -> bytes:
+    async def read_range(self, path: str, offset: int, size: int, on_piece=None) -> bytearray:
         """Read ``size`` bytes at ``offset``; ``on_piece(n)`` is awaited per piece (rate limiting)."""
         try:
             resp = await self._client.get_object(Bucket=self.spec.bucket, Key=self.spec.key(path),
@@ -83,7 +83,7 @@ class S3Origin:
                 buf += piece
         if len(buf) != size:
             raise OriginError(f"origin returned {len(buf)} bytes for {path}@{offset}, expected {size}")
-        return bytes(buf)
+        return buf
 
     async def put_file(self, path: str, local_path) -> None:
         with open(local_path, "rb") as f:

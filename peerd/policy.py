@@ -150,8 +150,7 @@ class SwarmPolicy:
         p.bits[new] = True
         if p.alive and not p.quarantined and len(new):
             self.avail[new] += 1
-            fs = self.first_seen[new]
-            self.first_seen[new] = np.minimum(fs, now)
+            self._note_seen(new, now)
             self._dirty = True
 
     def peer_dead(self, peer: str) -> list[Cancel]:

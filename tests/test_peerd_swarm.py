@@ -18,17 +18,23 @@ def prefix():
     return f"t/{uuid.uuid4().hex[:8]}"
 
 
-async def test_swarm_completes_verified_with_one_origin_copy(tmp_path, seaweed, keys, signed, checkpoint, prefix):
-    m, doc = signed
+async def swarm_of_four(tmp_path, seaweed, keys, doc, checkpoint, prefix):
+    """Four rate-limited hosts, all seeders, each told to fetch; returns (fleet, ids, origin)."""
     origin = await publish(seaweed, checkpoint, prefix)
     ids = ["a", "b", "c", "d"]
     fleet = Fleet(tmp_path, seaweed, keys["pub_path"], ids, rate=RATE).start()
+    await asyncio.sleep(0.5)   # let gossip introduce everyone
+    for i in ids:
+        async with fleet.client(i) as c:
+            st = await c.start_job(doc, origin, seeders=ids)
+            assert st["state"] in ("fetching", "complete")
+    return fleet, ids, origin
+
+
+async def test_swarm_completes_verified_with_one_origin_copy(tmp_path, seaweed, keys, signed, checkpoint, prefix):
+    m, doc = signed
+    fleet, ids, origin = await swarm_of_four(tmp_path, seaweed, keys, doc, checkpoint, prefix)
     try:
-        await asyncio.sleep(0.5)
-        for i in ids:
-            async with fleet.client(i) as c:
-                st = await c.start_job(doc, origin, seeders=ids)
-                assert st["state"] in ("fetching", "complete")
         done = await wait_all(fleet, ids, m.digest)
         assert all(s["state"] == "complete" for s in done.values())
         assert all(host_files_match(fleet, i, m, checkpoint) for i in ids)
@@ -52,14 +58,8 @@ async def test_swarm_completes_verified_with_one_origin_copy(tmp_path, seaweed, 
 async def test_killed_peer_mid_transfer(tmp_path, seaweed, keys, signed, checkpoint, prefix):
     """One host is SIGKILLed mid-transfer: the rest finish, verified; its stripe moves to the living."""
     m, doc = signed
-    origin = await publish(seaweed, checkpoint, prefix)
-    ids = ["a", "b", "c", "d"]
-    fleet = Fleet(tmp_path, seaweed, keys["pub_path"], ids, rate=RATE).start()
+    fleet, ids, origin = await swarm_of_four(tmp_path, seaweed, keys, doc, checkpoint, prefix)
     try:
-        await asyncio.sleep(0.5)
-        for i in ids:
-            async with fleet.client(i) as c:
-                await c.start_job(doc, origin, seeders=ids)
         async with fleet.client("d") as c:
             while (await c.job(m.digest))["chunks_done"] < 2:
                 await asyncio.sleep(0.02)

@@ -32,8 +32,8 @@ class PeerdProc:
         self.store.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "peerd", "--id", self.id, "--store", str(self.store),
                "--port", str(self.port), "--ready-file", str(ready), *self.args]
-        log = open(self.store.parent / f"{self.id}.log", "ab")
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env})
+        with open(self.store.parent / f"{self.id}.log", "ab") as log:   # the child keeps its own descriptor
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env})
         deadline = time.monotonic() + timeout
         while not ready.exists():
             if self.proc.poll() is not None:

@@ -39,10 +39,10 @@ class SeaweedS3:
                 f"-volume.port={p[4]}", f"-volume.port.grpc={p[5]}", f"-filer.port={p[6]}", f"-filer.port.grpc={p[7]}",
                 f"-admin.port={p[8]}", f"-admin.port.grpc={p[9]}", "-s3.port.iceberg=0", "-s3.port.lance=0",
                 "-webdav=false", "-admin.ui=false", f"-bucket={self.bucket}"]
-        log = open(self.dir / "weed.log", "ab")
-        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=self.dir,
-                                     env={**os.environ, **self.env(), "S3_BUCKET": self.bucket},
-                                     start_new_session=True)
+        with open(self.dir / "weed.log", "ab") as log:   # the child keeps its own descriptor
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=self.dir,
+                                         env={**os.environ, **self.env(), "S3_BUCKET": self.bucket},
+                                         start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
