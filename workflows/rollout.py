@@ -3,10 +3,13 @@
 Phases (visible as current details and the ``RolloutPhase`` search attribute): manifest → distribute
 (seeding and swarm, every chunk verified on arrival) → verify → load (staged) → traffic → done.
 Deterministic: no I/O here, activities are named, time comes from the workflow clock.
+History stays bounded: hosts fan out through one child workflow per batch, and the load phase
+continues-as-new (carrying its state) once the history passes ``max_history_events``.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from datetime import timedelta
 
 from temporalio import workflow
@@ -16,9 +19,10 @@ from temporalio.exceptions import ActivityError, ApplicationError
 with workflow.unsafe.imports_passed_through():
     from workflows.host_batch import HostBatchWorkflow
     from workflows.types import (CONTROL_QUEUE, DistributeInput, HostBatchInput, HostOutcome, LoadInput,
-                                 ManifestInfo, RolloutInput, RolloutStatus, TrafficInput, host_queue)
+                                 ManifestInfo, RolloutCarry, RolloutInput, RolloutStatus, TrafficInput)
 
 PHASE = SearchAttributeKey.for_keyword("RolloutPhase")
+MAX_PENDING_LOADS = 1000      # Temporal allows 2,000 pending activities per workflow
 
 
 @workflow.defn
@@ -33,6 +37,11 @@ class RolloutWorkflow:
         self.loading = 0
         self.traffic: dict[str, int] = {}
         self.bytes_total = 0
+        self.version_id = ""
+        self.batches: list[str] = []
+        self.phase_seconds: dict[str, float] = {}
+        self._phase_t0 = 0.0
+        self.runs = 1
 
     # ---------------------------------------------------------------- controls
     @workflow.query
@@ -42,7 +51,8 @@ class RolloutWorkflow:
             counts[s] = counts.get(s, 0) + 1
         done = sum(1 for s in self.hosts.values() if s in ("verified", "loading", "ready"))
         return RolloutStatus(self.phase, dict(self.hosts), counts, done * self.bytes_total,
-                             len(self.hosts) * self.bytes_total, self.paused, dict(self.traffic), dict(self.errors))
+                             len(self.hosts) * self.bytes_total, self.paused, dict(self.traffic), dict(self.errors),
+                             self.version_id, list(self.batches), dict(self.phase_seconds), self.runs)
 
     @workflow.signal
     def pause(self) -> None:
@@ -76,6 +86,11 @@ class RolloutWorkflow:
 
     # ---------------------------------------------------------------- phases
     def _set_phase(self, phase: str, detail: str = "") -> None:
+        now = workflow.time()
+        if phase != self.phase and self.phase in ("manifest", "distribute", "verify", "load", "traffic"):
+            self.phase_seconds[self.phase] = round(self.phase_seconds.get(self.phase, 0.0) + now - self._phase_t0, 3)
+        if phase != self.phase:
+            self._phase_t0 = now
         self.phase = phase
         workflow.upsert_search_attributes([PHASE.value_set(phase)])
         workflow.set_current_details(f"**{phase}** {detail}".strip())
@@ -88,9 +103,16 @@ class RolloutWorkflow:
 
     @workflow.run
     async def run(self, inp: RolloutInput) -> dict:
+        problems = inp.problems()
+        if problems:
+            raise ApplicationError("invalid rollout input: " + "; ".join(problems), type="InvalidInput",
+                                   non_retryable=True)
         self.max_loads = inp.max_concurrent_loads
         self.hosts = {h.id: "pending" for h in inp.hosts}
+        self._phase_t0 = workflow.time()
         try:
+            if inp.carry:
+                return await self._resume(inp, inp.carry)
             return await self._run(inp)
         except ApplicationError as e:
             if e.type == "Aborted" and inp.router and inp.previous_version:
@@ -110,7 +132,7 @@ class RolloutWorkflow:
         if (info.model, info.version) != (inp.model, inp.version):
             raise ApplicationError(f"manifest is {info.model}/{info.version}, rollout is {inp.model}/{inp.version}",
                                    non_retryable=True)
-        self.bytes_total = info.bytes_total
+        self.bytes_total, self.version_id = info.bytes_total, info.version_id
 
         await self._checkpoint()
         self._set_phase("distribute", f"{len(inp.hosts)} hosts, {info.bytes_total} bytes")
@@ -119,10 +141,11 @@ class RolloutWorkflow:
         seeders = [h.id for h in inp.hosts][:64]
         dist = DistributeInput(inp.signed_manifest, inp.origin, seeders)
         batches = [inp.hosts[i:i + inp.batch_size] for i in range(0, len(inp.hosts), inp.batch_size)]
+        self.batches = [f"{workflow.info().workflow_id}-batch-{i}" for i in range(len(batches))]
         results = await asyncio.gather(*(
             workflow.execute_child_workflow(
-                HostBatchWorkflow.run, HostBatchInput(b, dist, inp.unreachable_after_s),
-                id=f"{workflow.info().workflow_id}-batch-{i}", result_type=list[HostOutcome])
+                HostBatchWorkflow.run, HostBatchInput(b, dist, inp.unreachable_after_s, inp.heartbeat_timeout_s),
+                id=self.batches[i], result_type=list[HostOutcome])
             for i, b in enumerate(batches)))
         for outcome in (o for batch in results for o in batch):
             self.hosts[outcome.host] = outcome.state
@@ -131,11 +154,25 @@ class RolloutWorkflow:
         await self._budget(inp)
 
         self._set_phase("verify", "every chunk was checked against the signed manifest on arrival")
-        good = [h for h, s in self.hosts.items() if s == "verified"]
-
         await self._checkpoint()
         self._set_phase("load", f"at most {self.max_loads} hosts at a time")
-        await asyncio.gather(*(self._load(h, inp, info) for h in good))
+        return await self._load_and_shift(inp, info)
+
+    async def _resume(self, inp: RolloutInput, c: RolloutCarry) -> dict:
+        """A continued-as-new run: restore the state and carry on loading."""
+        self.hosts, self.errors, self.max_loads, self.paused = dict(c.hosts), dict(c.errors), c.max_loads, c.paused
+        self.bytes_total, self.version_id, self.runs = c.info.bytes_total, c.info.version_id, c.runs
+        self.phase_seconds, self.phase = dict(c.phase_seconds), c.phase
+        self._set_phase(c.phase, f"continued (run {self.runs}); at most {self.max_loads} hosts loading at a time")
+        return await self._load_and_shift(inp, c.info)
+
+    async def _load_and_shift(self, inp: RolloutInput, info: ManifestInfo) -> dict:
+        if not await self._load_all(inp, info):
+            await workflow.wait_condition(workflow.all_handlers_finished)
+            self.phase_seconds["load"] = round(self.phase_seconds.get("load", 0.0) + workflow.time() - self._phase_t0, 3)
+            carry = RolloutCarry("load", info, dict(self.hosts), dict(self.errors), self.max_loads, self.paused,
+                                 dict(self.phase_seconds), self.runs + 1)
+            workflow.continue_as_new(dataclasses.replace(inp, carry=carry))
         await self._budget(inp)
         ready = [h for h, s in self.hosts.items() if s == "ready"]
 
@@ -160,13 +197,40 @@ class RolloutWorkflow:
                                         "budget; resume or abort")
             await self._checkpoint()
 
-    async def _load(self, host: str, inp: RolloutInput, info: ManifestInfo) -> None:
+    async def _load_all(self, inp: RolloutInput, info: ManifestInfo) -> bool:
+        """Staged loading, at most ``max_loads`` at once. False: the history grew too long, the loads in
+        flight were drained and the caller continues-as-new for the rest."""
+        queues = {h.id: h.queue for h in inp.hosts}
+        verified = [h for h, s in self.hosts.items() if s == "verified"]
+        if not workflow.patched("staged-load-loop"):
+            # Histories recorded before this patch: every waiting load saw the same free slot, so the cap
+            # was not enforced. Kept only so those histories replay.
+            await asyncio.gather(*(self._load_unstaged(h, queues[h], inp, info) for h in verified))
+            return True
+        started = []
+        for host in verified:
+            await workflow.wait_condition(lambda: self.loading < min(self.max_loads, MAX_PENDING_LOADS))
+            if (workflow.info().get_current_history_length() > inp.max_history_events
+                    or workflow.info().is_continue_as_new_suggested()):
+                await asyncio.gather(*started)
+                return False
+            await self._checkpoint()
+            self.loading += 1
+            self.hosts[host] = "loading"
+            started.append(asyncio.ensure_future(self._load(host, queues[host], inp, info)))
+        await asyncio.gather(*started)
+        return True
+
+    async def _load_unstaged(self, host: str, queue: str, inp: RolloutInput, info: ManifestInfo) -> None:
         await workflow.wait_condition(lambda: self.loading < self.max_loads)
         self.loading += 1
         self.hosts[host] = "loading"
+        await self._load(host, queue, inp, info)
+
+    async def _load(self, host: str, queue: str, inp: RolloutInput, info: ManifestInfo) -> None:
         try:
             await workflow.execute_activity(
-                "load_version", LoadInput(inp.version, info.version_id), task_queue=host_queue(host),
+                "load_version", LoadInput(inp.version, info.version_id), task_queue=queue,
                 schedule_to_start_timeout=timedelta(seconds=inp.unreachable_after_s),
                 start_to_close_timeout=timedelta(minutes=30),
                 retry_policy=RetryPolicy(maximum_attempts=3), summary=f"load {inp.version} on {host}")

@@ -1,9 +1,11 @@
 """JSON-friendly dataclasses shared by the rollout workflows and their activities."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 CONTROL_QUEUE = "weightcast-control"
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")   # model, version and host ids (go into workflow ids)
 
 
 def host_queue(host_id: str) -> str:
@@ -15,6 +17,11 @@ class HostSpec:
     id: str
     model_server: str = ""                # its model server's address, registered with the router
     rack: str = ""
+    task_queue: str = ""                  # default host-<id>; set when one agent serves several hosts
+
+    @property
+    def queue(self) -> str:
+        return self.task_queue or host_queue(self.id)
 
 
 @dataclass
@@ -32,6 +39,60 @@ class RolloutInput:
     step_wait_s: float = 1.0              # dwell at each traffic step
     batch_size: int = 200                 # hosts per child workflow
     unreachable_after_s: float = 120.0    # no worker on host-<id> picks up work → unreachable
+    heartbeat_timeout_s: float = 30.0     # a host worker silent this long is presumed dead: retry
+    max_history_events: int = 20_000      # continue-as-new past this (Temporal's hard limit is ~50k)
+    carry: RolloutCarry | None = None     # set by continue-as-new only, never by callers
+
+    def problems(self) -> list[str]:
+        """Everything wrong with this input, in words an operator can act on (empty when valid)."""
+        out = []
+        for what, v in (("model", self.model), ("version", self.version)):
+            if not isinstance(v, str) or not NAME.match(v):
+                out.append(f"{what} {v!r} must be 1-128 characters of letters, digits, '.', '_' or '-'")
+        if not self.signed_manifest.strip().startswith("{"):
+            out.append("signed_manifest must be the signed manifest document (JSON), e.g. from `weightcast manifest build`")
+        missing = [k for k in ("endpoint", "bucket") if not self.origin.get(k)]
+        if missing:
+            out.append(f"origin lacks {', '.join(missing)}: give {{endpoint, bucket, prefix}} of the published checkpoint")
+        if not self.hosts:
+            out.append("hosts is empty: give at least one host")
+        ids = [h.id for h in self.hosts]
+        dup = sorted({i for i in ids if ids.count(i) > 1}) if len(set(ids)) != len(ids) else []
+        if dup:
+            out.append(f"duplicate host ids: {', '.join(dup[:10])}")
+        bad = [i for i in ids if not isinstance(i, str) or not NAME.match(i)]
+        if bad:
+            out.append(f"bad host ids (letters, digits, '.', '_', '-'): {bad[:10]}")
+        if self.router and not all(h.model_server for h in self.hosts):
+            out.append("with a router every host needs its model_server address")
+        if not isinstance(self.max_concurrent_loads, int) or not 1 <= self.max_concurrent_loads <= 10_000:
+            out.append(f"max_concurrent_loads must be in [1, 10000], got {self.max_concurrent_loads!r}")
+        if not 0 <= self.failure_budget <= 1:
+            out.append(f"failure_budget is a fraction in [0, 1], got {self.failure_budget!r}")
+        steps = self.traffic_steps
+        if not steps or any(not 0 < s <= 100 for s in steps) or steps != sorted(set(steps)) or steps[-1] != 100:
+            out.append(f"traffic_steps must rise strictly within (0, 100] and end at 100, got {steps!r}")
+        if not 1 <= self.batch_size <= 1000:
+            out.append(f"batch_size must be in [1, 1000] (Temporal's pending-activity limit is 2000), got {self.batch_size}")
+        for what in ("unreachable_after_s", "heartbeat_timeout_s", "step_wait_s"):
+            if getattr(self, what) < 0 or (what != "step_wait_s" and getattr(self, what) == 0):
+                out.append(f"{what} must be positive, got {getattr(self, what)!r}")
+        if self.max_history_events < 1000:
+            out.append(f"max_history_events below 1000 would continue-as-new constantly, got {self.max_history_events}")
+        return out
+
+
+@dataclass
+class RolloutCarry:
+    """What a rollout carries across continue-as-new: it resumes in ``phase`` with this state."""
+    phase: str
+    info: ManifestInfo
+    hosts: dict[str, str]
+    errors: dict[str, str]
+    max_loads: int
+    paused: bool
+    phase_seconds: dict[str, float]
+    runs: int
 
 
 @dataclass
@@ -60,6 +121,7 @@ class HostBatchInput:
     hosts: list[HostSpec]
     distribute: DistributeInput
     unreachable_after_s: float
+    heartbeat_timeout_s: float = 30.0
 
 
 @dataclass
@@ -99,3 +161,7 @@ class RolloutStatus:
     paused: bool
     traffic: dict[str, int]
     errors: dict[str, str]
+    version_id: str = ""
+    batches: list[str] = field(default_factory=list)      # child workflow ids (live progress: describe them)
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+    runs: int = 1                                          # 1 + continue-as-new count

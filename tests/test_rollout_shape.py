@@ -1,0 +1,91 @@
+"""The workflow's shape at fleet size: 2,000 hosts against the real dev server, with light activities
+standing in for peerd and the model servers (the workflow code, children, limits and continue-as-new are
+the real ones). Proves no history nears Temporal's limits and the load cap holds."""
+import asyncio
+import json
+import uuid
+
+import pytest
+from temporalio import activity
+from temporalio.api.enums.v1 import EventType
+from temporalio.exceptions import ApplicationError
+from temporalio.testing import WorkflowEnvironment
+from temporalio.worker import Worker
+
+from weightcast.stack.temporal import SEARCH_ATTRIBUTES, temporal_binary
+from workers import control_worker
+from workflows.rollout import RolloutWorkflow
+from workflows.types import CONTROL_QUEUE, DistributeInput, DistributeResult, HostSpec, LoadInput, RolloutInput
+
+pytestmark = pytest.mark.asyncio
+HOSTS = 2000
+MAX_LOADS = 40
+FLEET_QUEUE = "shape-fleet"   # every emulated host's activities on one queue (HostSpec.task_queue)
+
+
+class LightFleet:
+    """Activities named like the real host activities; they track concurrency and fail some first attempts."""
+
+    def __init__(self):
+        self.loading = self.peak_loading = self.distributed = self.loaded = self.retried = 0
+
+    def _flaky(self) -> None:
+        info = activity.info()
+        if info.attempt == 1 and hash(info.workflow_id + info.activity_id) % 50 == 0:
+            self.retried += 1
+            raise ApplicationError("transient: peerd restarting")   # retryable: must be retried, not failed
+
+    @activity.defn(name="distribute")
+    async def distribute(self, inp: DistributeInput) -> DistributeResult:
+        self._flaky()
+        activity.heartbeat({"chunks_done": 1})
+        self.distributed += 1
+        return DistributeResult("vid", 1, {"peer": 1}, 0.0)
+
+    @activity.defn(name="load_version")
+    async def load_version(self, inp: LoadInput) -> dict:
+        self.loading += 1
+        self.peak_loading = max(self.peak_loading, self.loading)
+        try:
+            await asyncio.sleep(0.005)
+            self._flaky()
+            self.loaded += 1
+            return {"model_version": inp.version}
+        finally:
+            self.loading -= 1
+
+
+async def test_two_thousand_hosts_within_temporal_limits(signed, keys):
+    _, doc = signed
+    fleet = LightFleet()
+    async with await WorkflowEnvironment.start_local(dev_server_existing_path=temporal_binary(),
+                                                     search_attributes=SEARCH_ATTRIBUTES) as env:
+        hosts = [HostSpec(f"gpu-{i:04d}", rack=f"r{i % 25}", task_queue=FLEET_QUEUE) for i in range(HOSTS)]
+        inp = RolloutInput(model=doc["manifest"]["model"], version=doc["manifest"]["version"],
+                           signed_manifest=json.dumps(doc), origin={"endpoint": "http://127.0.0.1:9", "bucket": "b"},
+                           hosts=hosts, max_concurrent_loads=MAX_LOADS, batch_size=200, max_history_events=4000)
+        wid = f"rollout-shape-{uuid.uuid4().hex[:6]}"
+        async with control_worker.build(env.client, [keys["pub_path"]]), \
+                Worker(env.client, task_queue=FLEET_QUEUE, activities=[fleet.distribute, fleet.load_version],
+                       max_concurrent_activities=400):
+            handle = await env.client.start_workflow(RolloutWorkflow.run, inp, id=wid, task_queue=CONTROL_QUEUE)
+            result = await asyncio.wait_for(handle.result(), 600)
+            st = await handle.query(RolloutWorkflow.status)
+
+        assert len(result["ready"]) == HOSTS and fleet.distributed == HOSTS and fleet.loaded == HOSTS
+        assert fleet.retried > 0                              # transient failures were retried, not fatal
+        assert 1 < fleet.peak_loading <= MAX_LOADS            # the load cap held at fleet size
+        assert st.runs > 1 and st.phase == "done"             # the load phase continued-as-new
+        # every history (each run of the parent, every batch child) stays far below Temporal's limits
+        runs, longest, pending_peak = 0, 0, 0
+        async for wf in env.client.list_workflows(f"WorkflowId STARTS_WITH '{wid}'"):
+            h = await env.client.get_workflow_handle(wf.id, run_id=wf.run_id).fetch_history()
+            longest = max(longest, len(h.events))
+            runs += wf.id == wid
+            scheduled = sum(e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED for e in h.events)
+            pending_peak = max(pending_peak, scheduled)
+        print(json.dumps({"hosts": HOSTS, "runs": runs, "longest_history": longest, "most_activities": pending_peak,
+                          "peak_loading": fleet.peak_loading, "retried": fleet.retried}))
+        assert runs == st.runs
+        assert longest < 10_000, f"a history reached {longest} events"
+        assert pending_peak < 2000
