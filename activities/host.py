@@ -15,6 +15,15 @@ from peerd.client import PeerdClient, PeerdError
 from workflows.types import DistributeInput, DistributeResult, LoadInput
 
 
+def progress_details(host: str, st: dict) -> dict:
+    """Compact heartbeat details: what `weightcast rollout status` shows per host (live, no history cost)."""
+    peers = sorted((p for p in st.get("peers", []) if p["alive"]), key=lambda p: -p["rate_bps"])[:4]
+    return {"host": host, "chunks_done": st["chunks_done"], "chunks_total": st["chunks_total"],
+            "bytes_done": st["bytes_done"], "bytes_total": st["bytes_total"],
+            "idle_s": round(time.time() - st.get("last_progress", time.time()), 1),
+            "peers": [{"peer": p["peer"], "rate_bps": p["rate_bps"]} for p in peers]}
+
+
 class HostActivities:
     def __init__(self, host_id: str, peerd_addr: str, token: str, store: Path, model_server: str):
         self.host_id, self.peerd_addr, self.token = host_id, peerd_addr, token
@@ -34,8 +43,7 @@ class HostActivities:
             vid = st["version_id"]
             while True:
                 st = await c.job(vid)
-                activity.heartbeat({"chunks_done": st["chunks_done"], "chunks_total": st["chunks_total"],
-                                    "bytes_done": st["bytes_done"], "bytes_total": st["bytes_total"]})
+                activity.heartbeat(progress_details(self.host_id, st))
                 if st["state"] == "complete":
                     break
                 if st["state"] == "failed":

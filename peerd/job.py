@@ -45,6 +45,7 @@ class FetchJob:
         self.error: dict | None = None
         self.started = time.time()
         self.finished: float | None = None
+        self.last_progress = self.started        # wall time of the last verified chunk (stuck detection)
         self.bytes = {"peer": 0, "origin": 0, "local": 0}
         self.policy: SwarmPolicy | None = None
         self._tasks: dict[tuple[int, str], asyncio.Task] = {}
@@ -218,6 +219,7 @@ class FetchJob:
             return
         src = "origin" if r.source == ORIGIN else "peer"
         self.bytes[src] += c.size
+        self.last_progress = time.time()
         self.d.metrics.bytes_in.labels(src).inc(c.size)
         self.d.metrics.chunks.labels(src).inc()
         self.d.metrics.progress.labels(self.vs.vid[:12]).set(self.vs.bits.mean())
@@ -272,7 +274,7 @@ class FetchJob:
                 "chunks_total": len(self.m.chunks), "chunks_done": int(np.sum(self.vs.bits)),
                 "bytes_total": self.m.total_size, "bytes_done": done, "bytes_by_source": dict(self.bytes),
                 "origin_reads": self.policy.origin_reads if self.policy else 0,
-                "started": self.started, "finished": self.finished,
+                "started": self.started, "finished": self.finished, "last_progress": self.last_progress,
                 "peers": self.policy.peer_summary(now) if self.policy else []}
 
 

@@ -97,6 +97,17 @@ class S3Origin:
             await self.put_file(p.relative_to(root).as_posix(), p)
         return [p.relative_to(root).as_posix() for p in paths]
 
+    async def read_object(self, path: str) -> bytes | None:
+        """A whole (small) object under the prefix, or None when it does not exist."""
+        try:
+            resp = await self._client.get_object(Bucket=self.spec.bucket, Key=self.spec.key(path))
+        except self._client.exceptions.NoSuchKey:
+            return None
+        except Exception as e:  # botocore raises many types; all mean "origin read failed"
+            raise OriginError(f"origin read of {path} failed: {e}") from e
+        async with resp["Body"] as body:
+            return await body.read()
+
     async def put_bytes(self, key: str, data: bytes) -> None:
         await self._client.put_object(Bucket=self.spec.bucket, Key=key, Body=data)
 

@@ -10,38 +10,13 @@ import pytest
 from temporalio.client import WorkflowFailureError, WorkflowUpdateFailedError
 from temporalio.exceptions import WorkflowAlreadyStartedError
 
-from peerd import manifest as mf
-from serving.checkpoint import write_checkpoint
-from tests.fleet import publish
-from tests.serving_fixtures import SMALL
+from tests.rollout_fixtures import Stack
 from weightcast.rollouts import start_rollout
-from weightcast.stack.embedded import EmbeddedStack
 from workflows.rollout import RolloutWorkflow
-from workflows.types import CONTROL_QUEUE, HostSpec, RolloutInput
+from workflows.types import CONTROL_QUEUE, HostSpec
 
 pytestmark = pytest.mark.asyncio
 HISTORIES = Path(__file__).parent / "histories"
-
-
-class Stack:
-    """The embedded stack plus a published, signed checkpoint, for one test."""
-
-    async def start(self, tmp: Path, seaweed, keys, ids: list[str]):
-        src = write_checkpoint(tmp / "ckpt", SMALL, seed=5, shard_bytes=64 * 1024, version="v1")
-        self.m = mf.build_from_directory(src, "tiny", "v1", chunk_size=64 * 1024)
-        self.signed = json.dumps(mf.sign_manifest(self.m, keys["private"]))
-        self.origin = await publish(seaweed, src, f"r/{uuid.uuid4().hex[:8]}")
-        self.stack = await EmbeddedStack(tmp / "stack", keys["pub_path"], ids, s3=seaweed).start()
-        self.client, self.servers = self.stack.client, self.stack.model_servers
-        self.router_addr, self.hosts = self.stack.router_addr, self.stack.hosts
-        return self
-
-    def input(self, **kw) -> RolloutInput:
-        return RolloutInput(model="tiny", version="v1", signed_manifest=self.signed, origin=self.origin,
-                            hosts=list(self.hosts), router=self.router_addr, step_wait_s=0.2, **kw)
-
-    async def stop(self):
-        await self.stack.stop()
 
 
 async def test_rollout_end_to_end(tmp_path, seaweed, keys):
@@ -91,7 +66,7 @@ async def test_unreachable_host_is_excluded_and_controls_validate(tmp_path, seaw
     s = await Stack().start(tmp_path, seaweed, keys, ["a", "b"])
     try:
         inp = s.input(failure_budget=0.5, unreachable_after_s=3)
-        inp.hosts = inp.hosts + [HostSpec("ghost")]         # nobody polls host-ghost
+        inp.hosts = inp.hosts + [HostSpec("ghost", model_server="http://127.0.0.1:9")]   # nobody polls host-ghost
         handle = await s.client.start_workflow(RolloutWorkflow.run, inp, id=f"rollout-ghost-{uuid.uuid4().hex[:6]}",
                                                task_queue=CONTROL_QUEUE)
         with pytest.raises(WorkflowUpdateFailedError) as e:

@@ -4,11 +4,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from pathlib import Path
 
 from peerd import manifest as mf
 from peerd.signing import KeyError_, generate_keypair, load_private_key, load_public_key
+from workflows.types import HostSpec
 
 SIZE_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
 
@@ -130,6 +132,62 @@ def cmd_bench_load(a) -> int:
     return 0
 
 
+def cmd_bench_rollout(a) -> int:
+    from bench.rollout import run_rollout_bench
+    bar = Progress("rollout")
+    res = asyncio.run(run_rollout_bench(a.hosts, a.size, a.rate, a.step_wait, lambda t, d, n, phase: bar(t, d, n)))
+    bar.close()
+    print(json.dumps(res, indent=None if a.json else 1))
+    return 0 if res["ok"] else 1
+
+
+def cmd_publish(a) -> int:
+    """Upload + sign + start the rollout, for CI/CD. Settings come from flags, or from `dev up`'s state."""
+    from peerd.origin import OriginSpec
+    from temporalio.client import Client
+
+    from weightcast.publish import PublishRequest, hosts_from_file, publish_and_start
+    dev = {}
+    if a.dev:
+        from weightcast.stack.dev import read_state
+        dev = read_state(a.dev)
+    endpoint = a.endpoint or dev.get("s3", {}).get("endpoint") or os.environ.get("AWS_ENDPOINT_URL")
+    bucket = a.bucket or dev.get("s3", {}).get("bucket")
+    key = a.key or (Path(dev["signing_key"]) if dev else None)
+    missing = [n for n, v in (("--endpoint", endpoint), ("--bucket", bucket), ("--key", key),
+                              ("--hosts", a.hosts or dev.get("hosts"))) if not v]
+    if missing:
+        raise SystemExit(f"error: publish needs {', '.join(missing)} (or --dev DIR of a running `weightcast dev up`)")
+    hosts = hosts_from_file(a.hosts) if a.hosts else [HostSpec(**h) for h in dev["hosts"]]
+    req = PublishRequest(a.source, a.model, a.version, key,
+                         OriginSpec(endpoint, bucket, a.prefix or f"{a.model}/{a.version}"), a.chunk_size,
+                         access_key=dev.get("s3", {}).get("access_key"), secret_key=dev.get("s3", {}).get("secret_key"))
+    rollout = {"router": a.router if a.router is not None else dev.get("router", ""),
+               "previous_version": a.previous_version, "max_concurrent_loads": a.max_concurrent_loads,
+               "failure_budget": a.failure_budget}
+
+    async def go():
+        client = await Client.connect(a.temporal or dev.get("temporal") or "127.0.0.1:7233", namespace=a.namespace)
+        out = await publish_and_start(client, req, hosts, **rollout)
+        print(json.dumps(out))
+        if a.wait:
+            return await _watch(client, out["workflow_id"])
+        return 0
+    return asyncio.run(go())
+
+
+def cmd_dev(a) -> int:
+    from weightcast.stack import dev
+    if a.sub == "up":
+        st = dev.up(a.dir, a.hosts, a.rate, a.temporal_port, a.ui_port)
+        print(json.dumps({k: st[k] for k in ("temporal", "ui", "router", "dir") if k in st} |
+                         {"hosts": [h["id"] for h in st["hosts"]], "note": st.get("note", "up")}))
+        print(f"publish a checkpoint: weightcast publish DIR --model M --version V --dev {a.dir}", file=sys.stderr)
+    else:
+        print(json.dumps(dev.down(a.dir)))
+    return 0
+
+
 def cmd_demo(a) -> int:
     from weightcast.demo import run_demo
     print(f"weightcast demo: Temporal dev server + SeaweedFS + {a.hosts} hosts (peerd, model server, host worker) "
@@ -149,10 +207,33 @@ def _rollout_client(a):
     return Client.connect(a.temporal, namespace=a.namespace)
 
 
+async def _watch(client, workflow_id: str) -> int:
+    """Live view until the rollout ends: a progress bar of bytes, hosts by state, stuck hosts."""
+    from temporalio.client import WorkflowExecutionStatus
+    from weightcast.rollout_status import live_status
+    h = client.get_workflow_handle(workflow_id)
+    t0 = asyncio.get_running_loop().time()
+    bar = Progress(workflow_id)
+    while True:
+        st = await live_status(client, workflow_id)
+        bar.label = f"{workflow_id} {st['phase']}{' PAUSED' if st['paused'] else ''} {st['counts']}"
+        total = max(1, st["bytes_total"])
+        bar(asyncio.get_running_loop().time() - t0, st["bytes_done"] if st["phase"] == "distribute" else
+            st["counts"].get("ready", 0) * total / max(1, len(st["hosts"])), total)
+        if st["stuck"]:
+            print(f"\nstuck (no progress for 30 s): {st['stuck']}", file=sys.stderr)
+        desc = await h.describe()
+        if desc.status != WorkflowExecutionStatus.RUNNING:
+            bar.close()
+            print(json.dumps({"status": desc.status.name, "phase": st["phase"], "hosts": st["counts"],
+                              "traffic": st["traffic"], "errors": st["errors"]}))
+            return 0 if desc.status == WorkflowExecutionStatus.COMPLETED else 1
+        await asyncio.sleep(1)
+
+
 def cmd_rollout(a) -> int:
     """start | status | pause | resume | abort | set-concurrency | replay."""
-    from dataclasses import asdict
-
+    from weightcast.rollout_status import live_status
     from workflows.rollout import RolloutWorkflow
 
     if a.sub == "replay":
@@ -170,28 +251,24 @@ def cmd_rollout(a) -> int:
     async def go():
         client = await _rollout_client(a)
         if a.sub == "start":
-            from workflows.types import HostSpec, RolloutInput
-            from weightcast.rollouts import start_rollout
-            spec = json.loads(a.input.read_text())
-            spec["hosts"] = [HostSpec(**h) for h in spec["hosts"]]
-            h = await start_rollout(client, RolloutInput(**spec))
+            from weightcast.rollouts import InvalidRolloutInput, start_rollout
+            from workflows.types import RolloutInput
+            try:
+                spec = json.loads(a.input.read_text())
+                spec["hosts"] = [HostSpec(**h) for h in spec["hosts"]]
+                inp = RolloutInput(**spec)
+            except (OSError, ValueError, TypeError, KeyError) as e:
+                raise InvalidRolloutInput(f"{a.input}: not a RolloutInput ({type(e).__name__}: {e}); see "
+                                          "workflows/types.py for the fields") from None
+            h = await start_rollout(client, inp)
             print(json.dumps({"workflow_id": h.id, "run_id": h.result_run_id}))
             return 0
         h = client.get_workflow_handle(a.id)
         if a.sub == "status":
-            while True:
-                st = await h.query(RolloutWorkflow.status)
-                done = sum(st.counts.get(k, 0) for k in ("verified", "loading", "ready"))
-                line = {"phase": st.phase, "hosts": st.counts, "paused": st.paused, "traffic": st.traffic,
-                        "errors": st.errors}
-                if not a.watch:
-                    print(json.dumps(asdict(st)))
-                    return 0
-                Progress(f"{a.id} {st.phase}")(0.0, done, max(1, len(st.hosts)))
-                if st.phase in ("done", "failed"):
-                    print("\n" + json.dumps(line))
-                    return 0
-                await asyncio.sleep(1)
+            if a.watch:
+                return await _watch(client, a.id)
+            print(json.dumps(await live_status(client, a.id)))
+            return 0
         if a.sub == "pause":
             await h.signal(RolloutWorkflow.pause)
         elif a.sub == "resume":
@@ -203,11 +280,18 @@ def cmd_rollout(a) -> int:
         return 0
 
     from temporalio.client import WorkflowUpdateFailedError
+    from temporalio.service import RPCError, RPCStatusCode
     try:
         return asyncio.run(go())
     except WorkflowUpdateFailedError as e:
         print(f"error: refused: {e.cause}", file=sys.stderr)
         return 2
+    except RPCError as e:
+        if e.status == RPCStatusCode.NOT_FOUND:
+            print(f"error: rollout {getattr(a, 'id', '')!r} on {a.temporal} (namespace {a.namespace}): {e.message}",
+                  file=sys.stderr)
+            return 2
+        raise
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -266,6 +350,45 @@ def build_parser() -> argparse.ArgumentParser:
     bl.add_argument("--json", action="store_true")
     bl.set_defaults(fn=cmd_bench_load)
 
+    br = bench.add_parser("rollout", help="a whole rollout on the embedded stack vs the byte-moving lower bound")
+    br.add_argument("--hosts", type=int, default=4)
+    br.add_argument("--size", type=parse_size, default=parse_size("64M"))
+    br.add_argument("--rate", type=parse_rate, default=parse_rate("16M"))
+    br.add_argument("--step-wait", type=float, default=0.0, help="dwell at each traffic step (s)")
+    br.add_argument("--json", action="store_true")
+    br.set_defaults(fn=cmd_bench_rollout)
+
+    pb = sub.add_parser("publish", help="CI/CD: upload a checkpoint, sign its manifest, start its rollout (idempotent)")
+    pb.add_argument("source", type=Path, help="the checkpoint directory")
+    pb.add_argument("--model", required=True)
+    pb.add_argument("--version", required=True)
+    pb.add_argument("--key", type=Path, help="Ed25519 private key (PEM) the fleet trusts")
+    pb.add_argument("--endpoint", help="S3 endpoint URL (default $AWS_ENDPOINT_URL); credentials from AWS_* variables")
+    pb.add_argument("--bucket")
+    pb.add_argument("--prefix", help="default <model>/<version>")
+    pb.add_argument("--hosts", type=Path, help='fleet inventory JSON: [{"id", "model_server", "rack"}, ...]')
+    pb.add_argument("--router", default=None, help="router address (empty: no traffic phase)")
+    pb.add_argument("--previous-version", default="", help="where abort sends traffic back")
+    pb.add_argument("--max-concurrent-loads", type=int, default=2)
+    pb.add_argument("--failure-budget", type=float, default=0.05)
+    pb.add_argument("--chunk-size", type=parse_size, default=mf.DEFAULT_CHUNK_SIZE)
+    pb.add_argument("--temporal", default=None, help="default 127.0.0.1:7233")
+    pb.add_argument("--namespace", default="default")
+    pb.add_argument("--dev", type=Path, help="take S3, hosts, router, Temporal and key from `weightcast dev up --dir`")
+    pb.add_argument("--wait", action="store_true", help="watch the rollout until it ends")
+    pb.set_defaults(fn=cmd_publish)
+
+    dv = sub.add_parser("dev", help="the embedded stack, kept running").add_subparsers(dest="sub", required=True)
+    du = dv.add_parser("up", help="start Temporal (UI), SeaweedFS, N hosts, router, workers on 127.0.0.1")
+    du.add_argument("--hosts", type=int, default=4)
+    du.add_argument("--rate", type=parse_rate, default=parse_rate("16M"))
+    du.add_argument("--temporal-port", type=int, default=7233)
+    du.add_argument("--ui-port", type=int, default=8233)
+    dd = dv.add_parser("down", help="stop the stack that `dev up` started")
+    for p in (du, dd):
+        p.add_argument("--dir", type=Path, default=Path(".weightcast-dev"))
+        p.set_defaults(fn=cmd_dev)
+
     ro = sub.add_parser("rollout", help="start, watch and steer rollouts (Temporal)").add_subparsers(dest="sub", required=True)
     for name, hlp in [("start", "start (or attach to) the rollout described by a JSON RolloutInput"),
                       ("status", "show a rollout's status"), ("pause", "pause between steps"),
@@ -305,6 +428,14 @@ def main(argv=None) -> int:
     except (mf.ManifestError, KeyError_) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:
+        from weightcast.publish import PublishError
+        from weightcast.rollouts import InvalidRolloutInput
+        from weightcast.stack.dev import DevError
+        if isinstance(e, (PublishError, InvalidRolloutInput, DevError)):
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        raise
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
 """`weightcast demo` (what `make demo` runs): a real rollout end to end, on loopback.
 
-1. writes a real checkpoint of the reference transformer (sharded safetensors + smoke material),
-   publishes it to SeaweedFS and signs its manifest;
-2. starts the embedded stack: the Temporal dev server (UI on), N hosts (peerd + model server +
-   host worker, links rate-limited), the router and the control worker;
-3. starts RolloutWorkflow and shows its progress: manifest → distribute (swarm) → verify → staged
+1. writes a real checkpoint of the reference transformer (sharded safetensors + smoke material);
+2. starts the embedded stack: the Temporal dev server (UI on), SeaweedFS, N hosts (peerd + model
+   server + host worker, links rate-limited), the router and the control worker;
+3. publishes the checkpoint the way CI does (`weightcast publish`: upload, sign, start the rollout)
+   and shows RolloutWorkflow's progress: manifest → distribute (swarm) → verify → staged
    load (smoke-tested) → traffic steps;
 4. sends an inference request through the router and checks the answer against the reference
    weights, then prints the Temporal UI link to the rollout.
@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import shutil
 import sys
 import tempfile
@@ -22,19 +21,19 @@ from pathlib import Path
 import aiohttp
 import torch
 
-from peerd import manifest as mf
-from peerd.origin import OriginSpec, S3Origin
-from peerd.signing import generate_keypair, load_private_key
+from peerd.client import PeerdClient, PeerdError
+from peerd.origin import OriginSpec
+from peerd.signing import generate_keypair
 from serving.checkpoint import write_checkpoint
 from serving.model import ModelConfig, init_model
-from weightcast.rollouts import start_rollout
+from weightcast.publish import PublishRequest, publish_and_start
 from weightcast.stack.embedded import EmbeddedStack
 from weightcast.stack.seaweed import ACCESS_KEY, SECRET_KEY
 from workflows.rollout import RolloutWorkflow
-from workflows.types import RolloutInput
 
 
-async def run_demo(hosts: int, size: int, rate: float, progress=None, keep_ui_s: float = 0.0) -> dict:
+async def run_demo(hosts: int, size: int, rate: float, progress=None, keep_ui_s: float = 0.0, ui: bool = True,
+                   step_wait_s: float = 0.5) -> dict:
     work = Path(tempfile.mkdtemp(prefix="wc-demo-"))
     mcfg, seed = ModelConfig.for_size(size), 7
     version = f"v{uuid.uuid4().hex[:6]}"       # a fresh version each run: a second `make demo` works too
@@ -42,31 +41,30 @@ async def run_demo(hosts: int, size: int, rate: float, progress=None, keep_ui_s:
     try:
         src = write_checkpoint(work / "ckpt", mcfg, seed, shard_bytes=16 << 20, version=version)
         generate_keypair(work / "key.pem", work / "key.pub")
-        m = mf.build_from_directory(src, "demo", version, chunk_size=1 << 20)
-        signed = json.dumps(mf.sign_manifest(m, load_private_key(work / "key.pem")))
         stack = await EmbeddedStack(work / "stack", work / "key.pub", [f"h{i}" for i in range(hosts)],
-                                    rate=rate, ui=True).start()
-        spec = OriginSpec(stack.s3.endpoint, stack.s3.bucket, f"demo/{version}")
-        async with S3Origin(spec, ACCESS_KEY, SECRET_KEY) as o:
-            await o.ensure_bucket()
-            await o.upload_directory(src)
-        inp = RolloutInput(model="demo", version=version, signed_manifest=signed,
-                           origin={"endpoint": spec.endpoint, "bucket": spec.bucket, "prefix": spec.prefix},
-                           hosts=stack.hosts, router=stack.router_addr, step_wait_s=0.5)
-        handle = await start_rollout(stack.client, inp)
-        print(f"rollout {handle.id} started; Temporal UI: {stack.ui_url(handle.id)}", file=sys.stderr)
+                                    rate=rate, ui=ui).start()
+        req = PublishRequest(src, "demo", version, work / "key.pem",
+                             OriginSpec(stack.s3.endpoint, stack.s3.bucket, f"demo/{version}"),
+                             chunk_size=1 << 20, access_key=ACCESS_KEY, secret_key=SECRET_KEY)
         loop = asyncio.get_running_loop()
-        t0 = loop.time()
+        t0 = loop.time()      # from `publish` (upload + sign + start) to every host serving
+        pub = await publish_and_start(stack.client, req, stack.hosts, router=stack.router_addr,
+                                      step_wait_s=step_wait_s)
+        handle = stack.client.get_workflow_handle(pub["workflow_id"])
+        print(f"rollout {handle.id} started; Temporal UI: {stack.ui_url(handle.id)}", file=sys.stderr)
+        t_started = loop.time()
         result_task = asyncio.ensure_future(handle.result())
         while not result_task.done():
             st = await handle.query(RolloutWorkflow.status)
             if progress:
                 ready = st.counts.get("ready", 0)
-                bytes_done = sum(p["bytes_done"] for p in await _peerd_progress(stack, m.digest))
-                progress(loop.time() - t0, bytes_done + ready, m.total_size * hosts + hosts, st.phase)
+                bytes_done = sum(p.get("bytes_done", 0) for p in await _peerd_jobs(stack, pub["version_id"]))
+                progress(loop.time() - t0, bytes_done + ready, pub["bytes"] * hosts + hosts, st.phase)
             await asyncio.wait([result_task], timeout=0.5)
         result = result_task.result()
         elapsed = loop.time() - t0
+        jobs = await _peerd_jobs(stack, pub["version_id"])
+        st = await handle.query(RolloutWorkflow.status)
         ids = [[1, 2, 3, 4, 5]]
         async with aiohttp.ClientSession() as s:
             async with s.post(f"{stack.router_addr}/v1/models/demo/infer", json={"input_ids": ids}) as r:
@@ -77,7 +75,9 @@ async def run_demo(hosts: int, size: int, rate: float, progress=None, keep_ui_s:
         if keep_ui_s:
             await asyncio.sleep(keep_ui_s)
         return {"workflow_id": handle.id, "temporal_ui": stack.ui_url(handle.id), "rollout_s": round(elapsed, 2),
-                "bytes": m.total_size, "hosts_ready": result["ready"], "traffic": result["traffic"],
+                "publish_s": round(t_started - t0, 2), "phase_seconds": st.phase_seconds,
+                "swarm_s": round(max(j["finished"] for j in jobs) - min(j["started"] for j in jobs), 2),
+                "bytes": pub["bytes"], "hosts_ready": result["ready"], "traffic": result["traffic"],
                 "inference": {"routed_host": answer.get("routed_host"), "model_version": answer.get("model_version"),
                               "matches_reference_weights": correct},
                 "ok": correct and len(result["ready"]) == hosts}
@@ -87,13 +87,12 @@ async def run_demo(hosts: int, size: int, rate: float, progress=None, keep_ui_s:
         shutil.rmtree(work, ignore_errors=True)
 
 
-async def _peerd_progress(stack: EmbeddedStack, vid: str) -> list[dict]:
-    from peerd.client import PeerdClient, PeerdError
+async def _peerd_jobs(stack: EmbeddedStack, vid: str) -> list[dict]:
     out = []
     for p in stack.peerd.values():
         try:
             async with PeerdClient(p.addr, stack.token) as c:
                 out.append(await c.job(vid))
         except (PeerdError, aiohttp.ClientError):
-            out.append({"bytes_done": 0})
+            out.append({})
     return out

@@ -8,13 +8,21 @@ from workflows.rollout import RolloutWorkflow
 from workflows.types import CONTROL_QUEUE, RolloutInput
 
 
+class InvalidRolloutInput(ValueError):
+    """The rollout was not started: the message lists every problem with the input."""
+
+
 def rollout_id(model: str, version: str) -> str:
     return f"rollout-{model}-{version}"
 
 
 async def start_rollout(client: Client, inp: RolloutInput, workflow_id: str | None = None) -> WorkflowHandle:
     """Idempotent: a retried CI job attaches to the running rollout (USE_EXISTING); a finished one is
-    never started again under the same id (REJECT_DUPLICATE) — roll out a new version instead."""
+    never started again under the same id (REJECT_DUPLICATE) — roll out a new version instead.
+    Bad input is refused here, before anything reaches Temporal (the workflow checks again)."""
+    problems = inp.problems()
+    if problems:
+        raise InvalidRolloutInput("rollout not started: " + "; ".join(problems))
     return await client.start_workflow(
         RolloutWorkflow.run, inp, id=workflow_id or rollout_id(inp.model, inp.version), task_queue=CONTROL_QUEUE,
         id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,

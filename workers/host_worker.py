@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -29,11 +31,18 @@ def main(argv=None) -> int:
     ap.add_argument("--token", default=os.environ.get("WEIGHTCAST_TOKEN", ""))
     ap.add_argument("--store", type=Path, required=True, help="the same --store as this host's peerd")
     ap.add_argument("--model-server", default="http://127.0.0.1:8100")
+    ap.add_argument("--ready-file", type=Path, help="write {id, task_queue} JSON here once polling")
     a = ap.parse_args(argv)
 
     async def run():
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         client = await Client.connect(a.temporal, namespace=a.namespace)
-        await build(client, a.id, a.peerd, a.token, a.store, a.model_server).run()
+        async with build(client, a.id, a.peerd, a.token, a.store, a.model_server):
+            if a.ready_file:
+                a.ready_file.write_text(json.dumps({"id": a.id, "task_queue": host_queue(a.id), "pid": os.getpid()}))
+            await stop.wait()   # SIGTERM/SIGINT: stop polling, cancel running activities (they resume on retry)
     asyncio.run(run())
     return 0
 

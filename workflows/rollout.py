@@ -42,6 +42,7 @@ class RolloutWorkflow:
         self.phase_seconds: dict[str, float] = {}
         self._phase_t0 = 0.0
         self.runs = 1
+        self.acked_failures = 0       # failures the operator has seen and resumed past
 
     # ---------------------------------------------------------------- controls
     @workflow.query
@@ -162,7 +163,7 @@ class RolloutWorkflow:
         """A continued-as-new run: restore the state and carry on loading."""
         self.hosts, self.errors, self.max_loads, self.paused = dict(c.hosts), dict(c.errors), c.max_loads, c.paused
         self.bytes_total, self.version_id, self.runs = c.info.bytes_total, c.info.version_id, c.runs
-        self.phase_seconds, self.phase = dict(c.phase_seconds), c.phase
+        self.phase_seconds, self.phase, self.acked_failures = dict(c.phase_seconds), c.phase, c.acked_failures
         self._set_phase(c.phase, f"continued (run {self.runs}); at most {self.max_loads} hosts loading at a time")
         return await self._load_and_shift(inp, c.info)
 
@@ -171,7 +172,7 @@ class RolloutWorkflow:
             await workflow.wait_condition(workflow.all_handlers_finished)
             self.phase_seconds["load"] = round(self.phase_seconds.get("load", 0.0) + workflow.time() - self._phase_t0, 3)
             carry = RolloutCarry("load", info, dict(self.hosts), dict(self.errors), self.max_loads, self.paused,
-                                 dict(self.phase_seconds), self.runs + 1)
+                                 dict(self.phase_seconds), self.runs + 1, self.acked_failures)
             workflow.continue_as_new(dataclasses.replace(inp, carry=carry))
         await self._budget(inp)
         ready = [h for h, s in self.hosts.items() if s == "ready"]
@@ -184,18 +185,23 @@ class RolloutWorkflow:
                 if inp.previous_version and step < 100:
                     weights[inp.previous_version] = 100 - step
                 await self._traffic(inp, weights, ready)
-                await workflow.sleep(timedelta(seconds=inp.step_wait_s))
+                if not workflow.patched("dwell-between-steps-only"):
+                    await workflow.sleep(timedelta(seconds=inp.step_wait_s))   # histories before the patch
+                elif step != inp.traffic_steps[-1] and inp.step_wait_s > 0:
+                    await workflow.sleep(timedelta(seconds=inp.step_wait_s))
         self._set_phase("done", f"{len(ready)} of {len(inp.hosts)} hosts ready on {inp.version}")
         return {"version_id": info.version_id, "ready": sorted(ready), "hosts": dict(self.hosts),
                 "errors": dict(self.errors), "traffic": dict(self.traffic)}
 
     async def _budget(self, inp: RolloutInput) -> None:
+        """Past the failure budget, pause for an operator; once resumed, only new failures pause again."""
         bad = [h for h, s in self.hosts.items() if s in ("failed", "unreachable")]
-        if len(bad) > inp.failure_budget * len(self.hosts):
+        if len(bad) > inp.failure_budget * len(self.hosts) and len(bad) > self.acked_failures:
             self.paused = True
             self._set_phase(self.phase, f"PAUSED: {len(bad)} hosts failed, over the {inp.failure_budget:.0%} "
                                         "budget; resume or abort")
             await self._checkpoint()
+            self.acked_failures = len(bad)
 
     async def _load_all(self, inp: RolloutInput, info: ManifestInfo) -> bool:
         """Staged loading, at most ``max_loads`` at once. False: the history grew too long, the loads in

@@ -93,6 +93,7 @@ class RolloutCarry:
     paused: bool
     phase_seconds: dict[str, float]
     runs: int
+    acked_failures: int = 0
 
 
 @dataclass

