@@ -12,6 +12,7 @@ from pathlib import Path
 from peerd.config import PeerdConfig
 from peerd.daemon import Daemon
 from peerd.logging_setup import setup
+from peerd.units import parse_rate
 
 
 def parse_peer(s: str) -> dict:
@@ -24,7 +25,8 @@ def parse_peer(s: str) -> dict:
 
 
 def rate(s: str) -> float | None:
-    return None if s in ("", "0", "none") else float(s)
+    """bytes/s: '1.1G', '500M', '10Gbit' or a number; '0'/'none' = unlimited."""
+    return None if s in ("", "0", "none") else parse_rate(s)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -87,6 +87,7 @@ class FetchJob:
     def _fail(self, code: str, message: str) -> None:
         self.state, self.finished = "failed", time.time()
         self.error = {"code": code, "message": message}
+        self.d.metrics.job_failures.labels(code).inc()
         log.error("job failed", extra={"vid": self.vs.vid, "code": code, "error": message})
 
     async def _copy_local(self) -> None:

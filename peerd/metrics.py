@@ -14,4 +14,6 @@ class PeerdMetrics:
         self.busy = Counter("peerd_upload_busy_total", "Uploads refused with 503 (at max_uploads)", registry=r)
         self.quarantined = Gauge("peerd_quarantined_peers", "Peers quarantined for serving bad chunks", registry=r)
         self.peers_alive = Gauge("peerd_peers_alive", "Members currently considered alive", registry=r)
+        self.job_failures = Counter("peerd_job_failures_total", "Versions whose fetch failed (disk_full, internal...)",
+                                    ["code"], registry=r)
         self.progress = Gauge("peerd_version_progress_ratio", "Verified fraction of a version", ["version"], registry=r)

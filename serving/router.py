@@ -216,14 +216,18 @@ def make_app(router: Router) -> web.Application:
     return app
 
 
-def main(argv=None) -> int:
-    from peerd.logging_setup import setup
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="router")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--listen", default="127.0.0.1")
     ap.add_argument("--max-concurrent-loads", type=int, default=2)
     ap.add_argument("--old-floor", type=int, default=1)
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    from peerd.logging_setup import setup
+    a = build_parser().parse_args(argv)
     setup()
     web.run_app(make_app(Router(rules=CapacityRules(a.max_concurrent_loads, a.old_floor))),
                 host=a.listen, port=a.port, print=None)

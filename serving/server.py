@@ -156,15 +156,19 @@ def make_app(ms: ModelServer) -> web.Application:
     return app
 
 
-def main(argv=None) -> int:
-    from peerd.logging_setup import setup
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="model-server")
     ap.add_argument("--id", required=True)
     ap.add_argument("--port", type=int, default=8100)
     ap.add_argument("--listen", default="127.0.0.1")
     ap.add_argument("--max-versions", type=int, default=2)
     ap.add_argument("--memory-budget", type=int, default=None, help="bytes of weights this host may hold")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    from peerd.logging_setup import setup
+    a = build_parser().parse_args(argv)
     setup()
     ms = ModelServer(a.id, max_versions=a.max_versions, memory_budget=a.memory_budget)
     web.run_app(make_app(ms), host=a.listen, port=a.port, print=None)

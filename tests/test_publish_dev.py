@@ -68,3 +68,14 @@ def test_dev_up_publish_status_down(tmp_path, capsys, dev_stack):
     assert rc == 0 and out["stopped"] == pid and not (d / "state.json").exists()
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+def test_rollout_start_refuses_bad_input_files(tmp_path, capsys):
+    f = tmp_path / "rollout.json"
+    f.write_text("{not json")
+    rc, _, err = run(capsys, "rollout", "start", str(f), "--temporal", "127.0.0.1:9")
+    assert rc == 2 and "not a RolloutInput" in err
+    f.write_text(json.dumps({"model": "m", "version": "v1", "signed_manifest": "{}", "origin": {"endpoint": "e"},
+                             "hosts": [], "max_concurrent_loads": 0}))
+    rc, _, err = run(capsys, "rollout", "start", str(f), "--temporal", "127.0.0.1:9")
+    assert rc == 2 and "hosts is empty" in err and "origin lacks bucket" in err and "max_concurrent_loads" in err

@@ -10,34 +10,8 @@ from pathlib import Path
 
 from peerd import manifest as mf
 from peerd.signing import KeyError_, generate_keypair, load_private_key, load_public_key
+from peerd.units import parse_rate, parse_size
 from workflows.types import HostSpec
-
-SIZE_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
-
-
-def parse_size(s: str) -> int:
-    """'256M' / '64MiB' (binary), '400GB' (decimal, as in the brief), '1048576' -> bytes."""
-    t = s.strip().lower()
-    decimal = t.endswith("b") and not t.endswith("ib")
-    t = t.removesuffix("ib").removesuffix("b")
-    unit = t[-1] if t and t[-1] in SIZE_UNITS else ""
-    scale = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[unit] if decimal else SIZE_UNITS[unit]
-    try:
-        return int(float(t[:-1] if unit else t) * scale)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{s!r} is not a size like 256M, 64MiB or 400GB") from None
-
-
-def parse_rate(s: str) -> float:
-    """'16M' (bytes/s), '10Gbit' (bits/s) → bytes/s."""
-    t = s.strip().lower()
-    if t.endswith("bit"):
-        num, unit = t[:-3], ""
-        if num and num[-1] in "kmgt":
-            num, unit = num[:-1], num[-1]
-        return float(num) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[unit] / 8
-    return float(parse_size(s))
-
 
 class Progress:
     """A one-line progress bar on stderr (plain lines when stderr is not a terminal)."""
@@ -248,18 +222,23 @@ def cmd_rollout(a) -> int:
                           "failure": None if ok else str(res.replay_failure)}))
         return 0 if ok else 1
 
+    if a.sub == "start":       # check the input before connecting anywhere
+        from weightcast.rollouts import InvalidRolloutInput, start_rollout
+        from workflows.types import RolloutInput
+        try:
+            spec = json.loads(a.input.read_text())
+            spec["hosts"] = [HostSpec(**h) for h in spec["hosts"]]
+            inp = RolloutInput(**spec)
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            raise InvalidRolloutInput(f"{a.input}: not a RolloutInput ({type(e).__name__}: {e}); see "
+                                      "workflows/types.py for the fields") from None
+        problems = inp.problems()
+        if problems:
+            raise InvalidRolloutInput("rollout not started: " + "; ".join(problems))
+
     async def go():
         client = await _rollout_client(a)
         if a.sub == "start":
-            from weightcast.rollouts import InvalidRolloutInput, start_rollout
-            from workflows.types import RolloutInput
-            try:
-                spec = json.loads(a.input.read_text())
-                spec["hosts"] = [HostSpec(**h) for h in spec["hosts"]]
-                inp = RolloutInput(**spec)
-            except (OSError, ValueError, TypeError, KeyError) as e:
-                raise InvalidRolloutInput(f"{a.input}: not a RolloutInput ({type(e).__name__}: {e}); see "
-                                          "workflows/types.py for the fields") from None
             h = await start_rollout(client, inp)
             print(json.dumps({"workflow_id": h.id, "run_id": h.result_run_id}))
             return 0

@@ -28,12 +28,16 @@ async def run(address: str, namespace: str, trusted_keys: list[Path]) -> None:
     await build(client, trusted_keys).run()
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="weightcast-control-worker")
     ap.add_argument("--temporal", default="127.0.0.1:7233")
     ap.add_argument("--namespace", default="default")
     ap.add_argument("--trusted-key", type=Path, action="append", required=True)
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
     asyncio.run(run(a.temporal, a.namespace, a.trusted_key))
     return 0
 

@@ -22,7 +22,7 @@ def build(client: Client, host_id: str, peerd_addr: str, token: str, store: Path
                   max_concurrent_activities=8)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="weightcast-host-worker")
     ap.add_argument("--id", required=True)
     ap.add_argument("--temporal", default="127.0.0.1:7233")
@@ -32,7 +32,11 @@ def main(argv=None) -> int:
     ap.add_argument("--store", type=Path, required=True, help="the same --store as this host's peerd")
     ap.add_argument("--model-server", default="http://127.0.0.1:8100")
     ap.add_argument("--ready-file", type=Path, help="write {id, task_queue} JSON here once polling")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
 
     async def run():
         stop = asyncio.Event()

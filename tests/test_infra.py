@@ -1,0 +1,94 @@
+"""The deployment files under infra/ against the code they run: every command line parses with the real
+argument parser, every metric an alert or dashboard panel uses exists, every file is valid YAML/JSON."""
+import json
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry
+
+import peerd.__main__ as peerd_main
+from peerd.metrics import PeerdMetrics
+from serving import router, server
+from weightcast import cli
+from weightcast.publish import hosts_from_file
+from workers import control_worker, host_worker
+
+INFRA = Path(__file__).parent.parent / "infra"
+PARSERS = {"peerd": peerd_main.build_parser, "workers.host_worker": host_worker.build_parser,
+           "workers.control_worker": control_worker.build_parser, "serving.server": server.build_parser,
+           "serving.router": router.build_parser}
+
+
+def yaml_docs(path: Path) -> list:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+
+
+def k8s_containers():
+    for f in sorted((INFRA / "k8s").glob("*.yaml")):
+        for doc in yaml_docs(f):
+            spec = doc.get("spec", {}).get("template", {}).get("spec", {})
+            for c in spec.get("containers", []):
+                yield f"{f.name}:{c['name']}", c
+
+
+def placeholders(args: list[str]) -> list[str]:
+    """$(NODE_NAME), ${HOST_ID}, ${{ inputs.version }} → a plain value, as the runtime would expand them."""
+    return [re.sub(r"\$\{\{[^}]*\}\}|\$\([A-Z_]+\)|\$\{[A-Z_]+\}", "x", a) for a in args]
+
+
+def test_every_infra_file_parses():
+    files = [p for p in INFRA.rglob("*") if p.suffix in (".yaml", ".yml", ".json")]
+    assert len(files) >= 8
+    for p in files:
+        assert (json.loads(p.read_text()) if p.suffix == ".json" else yaml_docs(p)), p
+
+
+@pytest.mark.parametrize("name,container", list(k8s_containers()), ids=lambda v: v if isinstance(v, str) else "")
+def test_k8s_commands_parse_with_the_real_flags(name, container):
+    cmd = container["command"]
+    assert cmd[:2] == ["python", "-m"] and cmd[2] in PARSERS, f"{name}: unknown program {cmd}"
+    PARSERS[cmd[2]]().parse_args(placeholders(container.get("args", [])))   # SystemExit on a bad flag
+
+
+def test_systemd_units_parse_with_the_real_flags():
+    units = sorted((INFRA / "systemd").glob("*.service"))
+    assert len(units) == 3
+    for u in units:
+        line = next(ln for ln in u.read_text().splitlines() if ln.startswith("ExecStart="))
+        argv = shlex.split(line.removeprefix("ExecStart="))
+        assert argv[1] == "-m" and argv[2] in PARSERS, u.name
+        PARSERS[argv[2]]().parse_args(placeholders(argv[3:]))
+
+
+def test_ci_example_publish_command_parses():
+    wf = yaml.safe_load((INFRA / "ci" / "publish-after-training.yml").read_text())
+    runs = [s["run"] for job in wf["jobs"].values() for s in job["steps"] if "weightcast publish" in s.get("run", "")]
+    assert len(runs) == 1
+    argv = shlex.split(placeholders([runs[0]])[0])
+    a = cli.build_parser().parse_args(argv[1:])
+    assert a.fn is cli.cmd_publish and a.wait and a.hosts == Path("infra/fleet/hosts.json")
+    assert len(hosts_from_file(INFRA / "fleet" / "hosts.json")) == 3
+
+
+def exported_metric_names() -> set[str]:
+    regs: list[CollectorRegistry] = [PeerdMetrics().registry, router.Router().registry, server.ModelServer("x").registry]
+    names = set()
+    for r in regs:
+        for fam in r.collect():
+            names.add(fam.name)
+            names.update(s.name for s in fam.samples)
+            names.add(fam.name + "_total")
+    return names
+
+
+def test_alerts_and_dashboard_use_metrics_that_exist():
+    exprs = [r["expr"] for g in yaml.safe_load((INFRA / "prometheus" / "alerts.yaml").read_text())["groups"]
+             for r in g["rules"]]
+    dash = json.loads((INFRA / "grafana" / "weightcast-dashboard.json").read_text())
+    exprs += [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    used = {m for e in exprs for m in re.findall(r"\b(?:peerd|model_server|router)_[a-z_]+", e)}
+    assert len(used) >= 8
+    assert used <= exported_metric_names(), f"unknown metrics: {sorted(used - exported_metric_names())}"
