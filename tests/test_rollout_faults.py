@@ -50,6 +50,14 @@ async def live_progress(s: Stack, wid: str, host: str) -> dict:
     raise TimeoutError(f"no live progress for {host}")
 
 
+async def rollout_mid_distribution(s: Stack, **kw):
+    """Start a rollout and return once host a is part-way through its download."""
+    wid = f"rollout-tiny-v1-{uuid.uuid4().hex[:6]}"
+    handle = await start_rollout(s.client, s.input(**kw), wid)
+    await wait_progress(s, "a")
+    return wid, handle
+
+
 def fetched(st: dict) -> int:
     return sum(st["bytes_by_source"].values())
 
@@ -63,9 +71,7 @@ async def distribute_attempts(s: Stack, wid: str) -> list[int]:
 async def test_host_worker_sigkilled_mid_distribution_resumes(tmp_path, seaweed, keys):
     s = await Stack().start(tmp_path, seaweed, keys, ["a", "b"], rate=RATE)
     try:
-        wid = f"rollout-tiny-v1-{uuid.uuid4().hex[:6]}"
-        handle = await start_rollout(s.client, s.input(heartbeat_timeout_s=2), wid)
-        await wait_progress(s, "a")
+        wid, handle = await rollout_mid_distribution(s, heartbeat_timeout_s=2)
         live = await live_progress(s, wid, "a")     # what `weightcast rollout status` shows mid-distribution
         assert 0 < live["progress"]["a"]["bytes_done"] < s.m.total_size and live["stuck"] == []
         assert live["progress"]["a"]["chunks_total"] == len(s.m.chunks) and live["phase"] == "distribute"
@@ -84,9 +90,7 @@ async def test_host_worker_sigkilled_mid_distribution_resumes(tmp_path, seaweed,
 async def test_peerd_sigkilled_mid_distribution_resumes_from_bitmap(tmp_path, seaweed, keys):
     s = await Stack().start(tmp_path, seaweed, keys, ["a", "b"], rate=RATE)
     try:
-        wid = f"rollout-tiny-v1-{uuid.uuid4().hex[:6]}"
-        handle = await start_rollout(s.client, s.input(), wid)
-        await wait_progress(s, "a")
+        wid, handle = await rollout_mid_distribution(s)
         s.stack.peerd["a"].kill()
         bitmap = (s.stack.peerd["a"].store / "versions" / s.m.digest / "bitmap").read_bytes()
         kept = sum(c.size for c in s.m.chunks if bitmap[c.index])
@@ -104,9 +108,7 @@ async def test_peerd_sigkilled_mid_distribution_resumes_from_bitmap(tmp_path, se
 async def test_temporal_server_stopped_mid_rollout(tmp_path, seaweed, keys):
     s = await Stack().start(tmp_path, seaweed, keys, ["a", "b"], rate=RATE)
     try:
-        wid = f"rollout-tiny-v1-{uuid.uuid4().hex[:6]}"
-        handle = await start_rollout(s.client, s.input(heartbeat_timeout_s=5), wid)
-        await wait_progress(s, "a")
+        _, handle = await rollout_mid_distribution(s, heartbeat_timeout_s=5)
         await s.stack.stop_temporal()
         # the swarm needs no coordinator: both hosts finish while the server is down
         for _ in range(600):
