@@ -57,6 +57,7 @@ class HostActivities:
     async def load_version(self, inp: LoadInput) -> dict:
         path = self.store / "versions" / inp.version_id / "model"
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as s:
+            retired = await self._retire(s, inp)
             async with s.post(f"{self.model_server}/v1/load", json={"model_version": inp.version, "path": str(path)}) as r:
                 body = await r.json(content_type=None)
         if r.status != 200:
@@ -65,4 +66,28 @@ class HostActivities:
                                    f"{body.get('reason') or body.get('error')}", type="LoadFailed",
                                    non_retryable=body.get("code") in ("altered", "unverified", "wrong_version",
                                                                       "smoke_failed", "bad_checkpoint"))
-        return body
+        return {**body, "retired": retired}
+
+    async def _retire(self, s: aiohttp.ClientSession, inp: LoadInput) -> list[str]:
+        """Unload versions older than the ones this rollout keeps (the new one and the one it replaces),
+        so successive rollouts do not run out of slots or memory. With a router, only with its unload
+        permit (it refuses while that version still carries traffic on too few hosts)."""
+        if not inp.keep:
+            return []
+        async with s.get(f"{self.model_server}/v1/versions") as r:
+            loaded = (await r.json(content_type=None)).get("versions", {})
+        retired = []
+        for v, st in sorted(loaded.items()):
+            if v in inp.keep or st.get("state") != "ready":
+                continue
+            if inp.router:
+                async with s.post(f"{inp.router}/admin/models/{inp.model}/permits/unload",
+                                  json={"host": self.host_id, "version": v}) as r:
+                    if r.status == 409:
+                        activity.logger.info("router refused to retire %s on %s: %s", v, self.host_id,
+                                             (await r.json(content_type=None)).get("reason"))
+                        continue
+            async with s.post(f"{self.model_server}/v1/unload", json={"model_version": v}) as r:
+                if r.status == 200:
+                    retired.append(v)
+        return retired

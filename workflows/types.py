@@ -115,6 +115,9 @@ class DistributeResult:
 class LoadInput:
     version: str
     version_id: str
+    keep: list[str] = field(default_factory=list)   # versions to keep loaded; others are retired first
+    router: str = ""                                 # asked for an unload permit before a retirement
+    model: str = ""
 
 
 @dataclass

@@ -6,6 +6,7 @@ peerd, stop and restart the Temporal server (its state is kept in a database fil
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,8 @@ from weightcast.stack.seaweed import SeaweedS3
 from weightcast.stack.temporal import SEARCH_ATTRIBUTES, temporal_binary
 from workers import control_worker
 from workflows.types import HostSpec
+
+log = logging.getLogger("weightcast.stack")
 
 
 async def serve_app(app: web.Application, port: int = 0) -> tuple[web.AppRunner, str]:
@@ -115,13 +118,21 @@ class EmbeddedStack:
         return f"http://127.0.0.1:{self.ui_port}/namespaces/default/workflows/{workflow_id}"
 
     async def stop(self) -> None:
+        """Tear everything down; each step is bounded so a wedged part cannot hang the caller."""
         for p in self.host_workers.values():
             await asyncio.to_thread(p.stop)
-        await self.control_worker.shutdown()
+        await _bounded(self.control_worker.shutdown(), "control worker shutdown")
         for r in self.runners:
-            await r.cleanup()
+            await _bounded(r.cleanup(), "HTTP server cleanup")
         for p in self.peerd.values():
             await asyncio.to_thread(p.stop)
-        await self.stop_temporal()
+        await _bounded(self.stop_temporal(), "Temporal dev server shutdown")
         if self._own_s3:
             await asyncio.to_thread(self.s3.stop)
+
+
+async def _bounded(aw, what: str, timeout: float = 20.0) -> None:
+    try:
+        await asyncio.wait_for(aw, timeout)
+    except asyncio.TimeoutError:
+        log.warning("%s did not finish within %.0fs; moving on", what, timeout)

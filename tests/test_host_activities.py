@@ -1,0 +1,53 @@
+"""The host's load activity against a real model server and router (in-process HTTP on loopback):
+successive rollouts retire versions older than the two a rollout keeps, never one that still carries
+traffic on too few hosts."""
+import pytest
+from temporalio.testing import ActivityEnvironment
+
+from activities.host import HostActivities
+from serving.router import Router, make_app as router_app
+from serving.server import ModelServer, make_app as server_app
+from tests.serving_fixtures import verified_version
+from weightcast.stack.embedded import serve_app
+from workflows.types import LoadInput
+
+pytestmark = pytest.mark.asyncio
+
+
+async def test_successive_rollouts_retire_old_versions(tmp_path, keys):
+    ms = ModelServer("h1")
+    runners = []
+    r, ms_addr = await serve_app(server_app(ms))
+    runners.append(r)
+    router = Router(poll_interval=0.1)
+    r, router_addr = await serve_app(router_app(router))
+    runners.append(r)
+    try:
+        dirs = {v: verified_version(tmp_path, v, seed=i, key=keys["private"]) for i, v in enumerate(["v1", "v2", "v3"])}
+
+        async def load(v: str, previous: str, with_router: bool = False) -> dict:
+            d = dirs[v]
+            acts = HostActivities("h1", "http://127.0.0.1:9", "", d.parent.parent.parent, ms_addr)
+            inp = LoadInput(v, d.parent.name, keep=[v, previous] if previous else [v],
+                            router=router_addr if with_router else "", model="tiny")
+            return await ActivityEnvironment().run(acts.load_version, inp)
+
+        assert (await load("v1", ""))["retired"] == []
+        assert (await load("v2", "v1"))["retired"] == []
+        assert sorted(ms.versions) == ["v1", "v2"]
+        # v3 replaces v2: v1 is retired first, or the server (two versions at most) would refuse v3
+        out = await load("v3", "v2")
+        assert out["retired"] == ["v1"] and out["state"] == "ready"
+        assert sorted(ms.versions) == ["v2", "v3"]
+
+        # with a router: a version still carrying traffic on its last host is not retired
+        router.table.add_host("tiny", "h1", ms_addr)
+        router.table.add_version("tiny", "v2")
+        await router.poll_once()
+        router.table.set_weights("tiny", {"v2": 100})
+        ms.unload("v3")
+        out = await load("v1", "", with_router=True)   # keep=[v1] only: v2 would be retired, but serves traffic
+        assert out["retired"] == [] and sorted(ms.versions) == ["v1", "v2"]
+    finally:
+        for r in runners:
+            await r.cleanup()
