@@ -84,7 +84,7 @@ async def test_two_thousand_hosts_within_temporal_limits(signed, keys):
             runs += wf.id == wid
             scheduled = sum(e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED for e in h.events)
             pending_peak = max(pending_peak, scheduled)
-        print(json.dumps({"hosts": HOSTS, "runs": runs, "longest_history": longest, "most_activities": pending_peak,
+        print(json.dumps({"hosts": HOSTS, "runs": runs, "longest_history": longest, "most_activities_in_one_history": pending_peak,
                           "peak_loading": fleet.peak_loading, "retried": fleet.retried}))
         assert runs == st.runs
         assert longest < 10_000, f"a history reached {longest} events"
