@@ -2,6 +2,7 @@
 operator and a CI job take. The stack runs as its own background process, as it would for a user."""
 import json
 import os
+import time
 
 import pytest
 
@@ -62,6 +63,28 @@ def test_dev_up_publish_status_down(tmp_path, capsys, dev_stack):
     hosts.write_text(json.dumps([{"id": "bad id!", "model_server": "http://127.0.0.1:9"}]))
     rc, _, err = run(capsys, *publish[:-2], "--version", "v2", "--hosts", str(hosts), "--router", "")
     assert rc == 2 and "nothing published" in err and "bad host ids" in err
+
+    # a rollout past its failure budget pauses; the operator aborts it; publishing it again is refused (exit 3)
+    hosts.write_text(json.dumps(state["hosts"] + [{"id": "ghost", "model_server": "http://127.0.0.1:9"}]))
+    v2 = [*publish, "--version", "v2", "--hosts", str(hosts), "--failure-budget", "0", "--unreachable-after", "2"]
+    rc, out, err = run(capsys, *v2)
+    assert rc == 0 and out["rollout"] == "started", err
+    for _ in range(100):
+        rc, st, _ = run(capsys, "rollout", "status", "rollout-tiny-v2", "--temporal", state["temporal"])
+        if st["paused"]:
+            break
+        time.sleep(0.1)
+    assert st["paused"] and st["hosts"]["ghost"] == "unreachable"
+    rc, _, err = run(capsys, "rollout", "abort", "rollout-tiny-v2", "--reason", "ghost is gone",
+                     "--temporal", state["temporal"])
+    assert rc == 0, err
+    for _ in range(100):
+        _, st, _ = run(capsys, "rollout", "status", "rollout-tiny-v2", "--temporal", state["temporal"])
+        if st["phase"] == "failed":
+            break
+        time.sleep(0.1)
+    rc, out, err = run(capsys, *v2)
+    assert rc == 3 and out["previous_outcome"] == "FAILED" and "publish a new version" in err
 
     pid = state["pid"]
     rc, out, _ = run(capsys, "dev", "down", "--dir", str(d))

@@ -138,12 +138,16 @@ def cmd_publish(a) -> int:
                          access_key=dev.get("s3", {}).get("access_key"), secret_key=dev.get("s3", {}).get("secret_key"))
     rollout = {"router": a.router if a.router is not None else dev.get("router", ""),
                "previous_version": a.previous_version, "max_concurrent_loads": a.max_concurrent_loads,
-               "failure_budget": a.failure_budget}
+               "failure_budget": a.failure_budget, "unreachable_after_s": a.unreachable_after}
 
     async def go():
         client = await Client.connect(a.temporal or dev.get("temporal") or "127.0.0.1:7233", namespace=a.namespace)
         out = await publish_and_start(client, req, hosts, **rollout)
         print(json.dumps(out))
+        if out.get("previous_outcome", "COMPLETED") != "COMPLETED":
+            print(f"error: {out['workflow_id']} already ended {out['previous_outcome']}; a version is rolled out "
+                  "once: publish a new version", file=sys.stderr)
+            return 3
         if a.wait:
             return await _watch(client, out["workflow_id"])
         return 0
@@ -350,6 +354,8 @@ def build_parser() -> argparse.ArgumentParser:
     pb.add_argument("--previous-version", default="", help="where abort sends traffic back")
     pb.add_argument("--max-concurrent-loads", type=int, default=2)
     pb.add_argument("--failure-budget", type=float, default=0.05)
+    pb.add_argument("--unreachable-after", type=float, default=120.0,
+                    help="seconds without a worker on a host's queue before it is excluded")
     pb.add_argument("--chunk-size", type=parse_size, default=mf.DEFAULT_CHUNK_SIZE)
     pb.add_argument("--temporal", default=None, help="default 127.0.0.1:7233")
     pb.add_argument("--namespace", default="default")

@@ -105,6 +105,7 @@ async def publish_and_start(client: Client, req: PublishRequest, hosts: list[Hos
     except WorkflowAlreadyStartedError:
         desc = await client.get_workflow_handle(wid).describe()
         out["rollout"] = f"already finished ({desc.status.name}); not started again"
+        out["previous_outcome"] = desc.status.name
     return out
 
 
