@@ -93,6 +93,7 @@ async def run_swarm_bench(cfg: SwarmBenchConfig, progress=None) -> dict:
         victims = [p for p in procs if p.id not in corrupt][-cfg.kill:] if cfg.kill else []
         killed: set[str] = set()
         last: dict[str, dict] = {}
+        origin_done = None          # when the origin had delivered one full copy, fleet-wide
         while True:
             now = time.time() - t0
             if victims and not killed and now > 0.4 * lower:
@@ -105,6 +106,8 @@ async def run_swarm_bench(cfg: SwarmBenchConfig, progress=None) -> dict:
                 if isinstance(st, dict):
                     last[p.id] = st
             live = [p.id for p in procs if p.id not in killed]
+            if origin_done is None and sum(st["bytes_by_source"]["origin"] for st in last.values()) >= m.total_size:
+                origin_done = now
             if progress:
                 progress(now, sum(last[i]["bytes_done"] for i in live if i in last), len(live) * m.total_size)
             if all(i in last and last[i]["state"] in ("complete", "failed") for i in live):
@@ -129,6 +132,9 @@ async def run_swarm_bench(cfg: SwarmBenchConfig, progress=None) -> dict:
                 "lower_bound_s": lower, "p50_s": pct(0.5), "p90_s": pct(0.9), "max_s": times[-1] if times else None,
                 "ratio": (times[-1] / lower) if times else None,
                 "origin_copies": origin_bytes / m.total_size,
+                # where the time goes: the origin's one copy (ideally at lower_bound_s), then the spread of the
+                # last chunks (tail_s); polled every 0.1 s
+                "origin_done_s": origin_done, "tail_s": (times[-1] - origin_done) if times and origin_done else None,
                 "all_verified": all(ok for ok, _ in checks.values()) and not failed,
                 "corrupt_chunks_accepted": sum(bad for _, bad in checks.values()),
                 "quarantined_by_honest_hosts": sorted(quarantined)}

@@ -27,3 +27,22 @@ def test_demo_end_to_end():
     res = asyncio.run(run_demo(hosts=3, size=8 << 20, rate=32 << 20, progress=None))
     assert res["ok"] and res["hosts_ready"] == ["h0", "h1", "h2"]
     assert res["inference"]["matches_reference_weights"] and res["traffic"] == {res["inference"]["model_version"]: 100}
+
+
+def test_bench_swarm_with_a_killed_and_a_corrupt_host(capsys):
+    rc = main(["bench", "swarm", "--hosts", "4", "--size", "6M", "--rate", "4M", "--chunk", "256K",
+               "--kill", "1", "--corrupt-peers", "1", "--json"])
+    r = json.loads(capsys.readouterr().out)
+    assert rc == 0 and r["all_verified"] and r["corrupt_chunks_accepted"] == 0 and not r["failed"]
+    assert len(r["killed"]) == 1 and r["corrupt_peers"] == ["h1"]
+    assert r["lower_bound_s"] == 1.5 and r["max_s"] >= r["p50_s"] and r["ratio"] == r["max_s"] / r["lower_bound_s"]
+    assert 0.99 <= r["origin_copies"] and r["origin_done_s"] is not None
+    assert abs(r["tail_s"] - (r["max_s"] - r["origin_done_s"])) < 1e-6
+
+
+def test_bench_rollout_reports_where_the_time_goes(capsys):
+    assert main(["bench", "rollout", "--hosts", "2", "--size", "4M", "--rate", "32M", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["ok"] and r["hosts"] == 2 and r["lower_bound_s"] == round(r["bytes"] / r["rate"], 2)
+    assert r["rollout_s"] > r["swarm_s"] > 0 and abs(r["overhead_s"] - (r["rollout_s"] - r["swarm_s"])) < 0.02
+    assert {"manifest", "distribute", "load"} <= set(r["phase_seconds"])
