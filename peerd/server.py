@@ -8,9 +8,9 @@ import logging
 import re
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from peerd.manifest import ManifestError
+from peerd.metrics import metrics_handler
 from peerd.store import DiskFullError, StoreError
 from peerd.wire import MAX_GOSSIP_BYTES, MAX_JOB_BYTES, WireError, check_gossip, check_job, check_vid, pack_bits
 
@@ -55,9 +55,6 @@ def make_app(daemon) -> web.Application:
 
     async def healthz(_):
         return web.json_response({"ok": True, "host": d.config.host_id})
-
-    async def metrics(_):
-        return web.Response(body=generate_latest(d.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def submit_job(request):
         body = check_job(await read_json(request, MAX_JOB_BYTES))
@@ -168,7 +165,7 @@ def make_app(daemon) -> web.Application:
         return web.json_response({"removed": vs.vid})
 
     app.router.add_get("/healthz", healthz)
-    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/metrics", metrics_handler(d.metrics.registry))
     app.router.add_post("/v1/jobs", submit_job)
     app.router.add_get("/v1/jobs/{vid}", job_status)
     app.router.add_get("/v1/status", status)

@@ -14,8 +14,9 @@ import sys
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter
 
+from peerd.metrics import metrics_handler
 from serving.capacity import CapacityRules
 from serving.routing import RoutingError, RoutingTable
 from serving.http_json import json_object
@@ -191,9 +192,6 @@ def make_app(router: Router) -> web.Application:
         t.set_ready(model, b.get("host"), v, False)    # drained before it is unloaded
         return web.json_response({"granted": True})
 
-    async def metrics(_):
-        return web.Response(body=generate_latest(router.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
-
     app.router.add_post("/v1/models/{model}/infer", infer)
     app.router.add_put("/admin/models/{model}/hosts", put_hosts)
     app.router.add_delete("/admin/models/{model}/hosts/{host}", delete_host)
@@ -203,7 +201,7 @@ def make_app(router: Router) -> web.Application:
     app.router.add_post("/admin/models/{model}/permits/load", load_permit)
     app.router.add_delete("/admin/models/{model}/permits/load/{host}", release_load)
     app.router.add_post("/admin/models/{model}/permits/unload", unload_permit)
-    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/metrics", metrics_handler(router.registry))
 
     async def on_startup(_):
         await router.start()

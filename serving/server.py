@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from peerd.metrics import metrics_handler
 from serving.engine import Engine, ReferenceEngine
 from serving.http_json import bad_request, json_object
 from serving.loader import LoadError
@@ -144,15 +145,12 @@ def make_app(ms: ModelServer) -> web.Application:
         ms.m_requests.labels(v, "ok").inc()
         return web.json_response({"model_version": v, "host": ms.host_id, **out}, headers={"X-Model-Version": v})
 
-    async def metrics(_):
-        return web.Response(body=generate_latest(ms.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
-
     app.router.add_get("/health/ready", ready)
     app.router.add_post("/v1/load", load)
     app.router.add_post("/v1/unload", unload)
     app.router.add_get("/v1/versions", versions)
     app.router.add_post("/v1/infer", infer)
-    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/metrics", metrics_handler(ms.registry))
     return app
 
 

@@ -99,6 +99,37 @@ def test_rollout_start_refuses_bad_input_files(tmp_path, capsys):
     rc, _, err = run(capsys, "rollout", "start", str(f), "--temporal", "127.0.0.1:9")
     assert rc == 2 and "not a RolloutInput" in err
     f.write_text(json.dumps({"model": "m", "version": "v1", "signed_manifest": "{}", "origin": {"endpoint": "e"},
-                             "hosts": [], "max_concurrent_loads": 0}))
+                             "hosts": [], "max_concurrent_loads": 0, "failure_budget": "high"}))
     rc, _, err = run(capsys, "rollout", "start", str(f), "--temporal", "127.0.0.1:9")
     assert rc == 2 and "hosts is empty" in err and "origin lacks bucket" in err and "max_concurrent_loads" in err
+    assert "failure_budget is a fraction in [0, 1], got 'high'" in err
+
+
+def test_unreachable_services_give_clear_errors(tmp_path, capsys):
+    rc, _, err = run(capsys, "rollout", "status", "rollout-x-v1", "--temporal", "127.0.0.1:9")
+    assert rc == 2 and "cannot reach Temporal at 127.0.0.1:9" in err
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "w.bin").write_bytes(b"x" * 1000)
+    assert main(["keys", "generate", "--out", str(tmp_path)]) == 0
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps([{"id": "h0"}]))
+    rc, _, err = run(capsys, "publish", str(ckpt), "--model", "m", "--version", "v1", "--key",
+                     str(tmp_path / "manifest-signing.pem"), "--endpoint", "http://127.0.0.1:9", "--bucket", "b",
+                     "--hosts", str(hosts), "--temporal", "127.0.0.1:9")
+    assert rc == 2 and "cannot reach Temporal" in err         # checked before anything is uploaded
+
+
+def test_unreachable_object_storage_is_a_clear_publish_error(tmp_path):
+    import asyncio
+
+    from peerd.origin import OriginSpec
+    from weightcast.publish import PublishError, PublishRequest, upload
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "w.bin").write_bytes(b"x" * 1000)
+    assert main(["keys", "generate", "--out", str(tmp_path)]) == 0
+    req = PublishRequest(ckpt, "m", "v1", tmp_path / "manifest-signing.pem",
+                         OriginSpec("http://127.0.0.1:9", "b", "m/v1"), access_key="k", secret_key="s")
+    with pytest.raises(PublishError, match=r"object storage at http://127.0.0.1:9 \(s3://b/m/v1\).*check --endpoint"):
+        asyncio.run(upload(req))

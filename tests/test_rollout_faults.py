@@ -172,7 +172,7 @@ async def test_invalid_inputs_are_refused_with_clear_errors(tmp_path, seaweed, k
         bad.hosts = bad.hosts + [HostSpec("a", model_server="http://x")]
         with pytest.raises(InvalidRolloutInput) as e:
             await start_rollout(s.client, bad)
-        for words in ("max_concurrent_loads must be in [1, 10000]", "traffic_steps must rise",
+        for words in ("max_concurrent_loads must be an integer in [1, 10000]", "traffic_steps must rise",
                       "failure_budget is a fraction", "duplicate host ids: a"):
             assert words in str(e.value)
         # started around the client-side check, the workflow refuses it too, before touching any host

@@ -118,8 +118,6 @@ def cmd_bench_rollout(a) -> int:
 def cmd_publish(a) -> int:
     """Upload + sign + start the rollout, for CI/CD. Settings come from flags, or from `dev up`'s state."""
     from peerd.origin import OriginSpec
-    from temporalio.client import Client
-
     from weightcast.publish import PublishRequest, hosts_from_file, publish_and_start
     dev = {}
     if a.dev:
@@ -141,7 +139,7 @@ def cmd_publish(a) -> int:
                "failure_budget": a.failure_budget, "unreachable_after_s": a.unreachable_after}
 
     async def go():
-        client = await Client.connect(a.temporal or dev.get("temporal") or "127.0.0.1:7233", namespace=a.namespace)
+        client = await _connect(a.temporal or dev.get("temporal") or "127.0.0.1:7233", a.namespace)
         out = await publish_and_start(client, req, hosts, **rollout)
         print(json.dumps(out))
         if out.get("previous_outcome", "COMPLETED") != "COMPLETED":
@@ -180,9 +178,17 @@ def cmd_demo(a) -> int:
     return 0 if res["ok"] else 1
 
 
-def _rollout_client(a):
+class TemporalUnreachable(RuntimeError):
+    pass
+
+
+async def _connect(address: str, namespace: str):
     from temporalio.client import Client
-    return Client.connect(a.temporal, namespace=a.namespace)
+    try:
+        return await Client.connect(address, namespace=namespace)
+    except RuntimeError as e:   # the SDK reports every connect failure as RuntimeError
+        raise TemporalUnreachable(f"cannot reach Temporal at {address} (namespace {namespace}): {e}; start it "
+                                  "(`weightcast dev up`) or pass --temporal HOST:PORT") from None
 
 
 async def _watch(client, workflow_id: str) -> int:
@@ -227,7 +233,7 @@ def cmd_rollout(a) -> int:
         return 0 if ok else 1
 
     if a.sub == "start":       # check the input before connecting anywhere
-        from weightcast.rollouts import InvalidRolloutInput, start_rollout
+        from weightcast.rollouts import InvalidRolloutInput, check_input, start_rollout
         from workflows.types import RolloutInput
         try:
             spec = json.loads(a.input.read_text())
@@ -236,12 +242,10 @@ def cmd_rollout(a) -> int:
         except (OSError, ValueError, TypeError, KeyError) as e:
             raise InvalidRolloutInput(f"{a.input}: not a RolloutInput ({type(e).__name__}: {e}); see "
                                       "workflows/types.py for the fields") from None
-        problems = inp.problems()
-        if problems:
-            raise InvalidRolloutInput("rollout not started: " + "; ".join(problems))
+        check_input(inp)
 
     async def go():
-        client = await _rollout_client(a)
+        client = await _connect(a.temporal, a.namespace)
         if a.sub == "start":
             h = await start_rollout(client, inp)
             print(json.dumps({"workflow_id": h.id, "run_id": h.result_run_id}))
@@ -417,7 +421,7 @@ def main(argv=None) -> int:
         from weightcast.publish import PublishError
         from weightcast.rollouts import InvalidRolloutInput
         from weightcast.stack.dev import DevError
-        if isinstance(e, (PublishError, InvalidRolloutInput, DevError)):
+        if isinstance(e, (PublishError, InvalidRolloutInput, DevError, TemporalUnreachable)):
             print(f"error: {e}", file=sys.stderr)
             return 2
         raise

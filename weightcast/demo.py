@@ -63,7 +63,7 @@ async def run_demo(hosts: int, size: int, rate: float, progress=None, keep_ui_s:
             await asyncio.wait([result_task], timeout=0.5)
         result = result_task.result()
         elapsed = loop.time() - t0
-        jobs = await _peerd_jobs(stack, pub["version_id"])
+        jobs = [j for j in await _peerd_jobs(stack, pub["version_id"]) if j.get("finished")]   # answering hosts
         st = await handle.query(RolloutWorkflow.status)
         ids = [[1, 2, 3, 4, 5]]
         async with aiohttp.ClientSession() as s:

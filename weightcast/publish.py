@@ -16,14 +16,15 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from botocore.exceptions import BotoCoreError, ClientError
 from temporalio.client import Client
 from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
 from peerd import manifest as mf
-from peerd.origin import OriginSpec, S3Origin
+from peerd.origin import OriginError, OriginSpec, S3Origin
 from peerd.signing import load_private_key
-from weightcast.rollouts import InvalidRolloutInput, rollout_id, start_rollout
+from weightcast.rollouts import check_input, rollout_id, start_rollout
 from workflows.types import HostSpec, RolloutInput
 
 MARKER = ".weightcast-manifest.json"
@@ -60,6 +61,14 @@ async def upload(req: PublishRequest) -> Published:
     m = await asyncio.to_thread(mf.build_from_directory, req.source, req.model, req.version, req.chunk_size)
     signed = mf.signed_bytes(m, key)
     where = f"s3://{req.origin.bucket}/{req.origin.prefix}"
+    try:
+        return await _upload_to_bucket(req, m, signed, key, where)
+    except (BotoCoreError, ClientError, OriginError) as e:
+        raise PublishError(f"object storage at {req.origin.endpoint} ({where}): {e}; check --endpoint, --bucket "
+                           "and the AWS_* credentials") from None
+
+
+async def _upload_to_bucket(req: PublishRequest, m: mf.Manifest, signed: bytes, key, where: str) -> Published:
     async with S3Origin(req.origin, req.access_key, req.secret_key) as o:
         await o.ensure_bucket()
         prior = await o.read_object(MARKER)
@@ -83,10 +92,8 @@ async def publish_and_start(client: Client, req: PublishRequest, hosts: list[Hos
     """Upload, sign, start (or attach to) the rollout. ``rollout`` takes RolloutInput's optional fields
     (router, previous_version, max_concurrent_loads, failure_budget, ...)."""
     origin = {"endpoint": req.origin.endpoint, "bucket": req.origin.bucket, "prefix": req.origin.prefix}
-    placeholder = RolloutInput(req.model, req.version, "{}", origin, hosts, **rollout)
-    problems = placeholder.problems()
-    if problems:    # refuse before uploading anything
-        raise InvalidRolloutInput("nothing published: " + "; ".join(problems))
+    # refuse bad input before uploading anything (the manifest is not signed yet: a placeholder stands in)
+    check_input(RolloutInput(req.model, req.version, "{}", origin, hosts, **rollout), "nothing published")
     pub = await upload(req)
     inp = RolloutInput(req.model, req.version, pub.signed, origin, hosts, **rollout)
     wid = rollout_id(req.model, req.version)

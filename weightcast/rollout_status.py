@@ -31,8 +31,7 @@ async def live_status(client: Client, workflow_id: str) -> dict:
                 d = (await DataConverter.default.decode(pa.heartbeat_details.payloads))[0]
                 if isinstance(d, dict) and "host" in d:
                     progress[d["host"]] = {**d, "attempt": pa.attempt}
-    done_hosts = sum(st.counts.get(k, 0) for k in ("verified", "loading", "ready"))
-    bytes_done = done_hosts * st.bytes_total // max(1, len(st.hosts)) + sum(p["bytes_done"] for p in progress.values())
+    bytes_done = st.bytes_done + sum(p["bytes_done"] for p in progress.values())   # finished hosts + live ones
     rate = sum(sum(x["rate_bps"] for x in p["peers"]) for p in progress.values())
     remaining = st.bytes_total - bytes_done
     out.update(bytes_done=bytes_done, progress=progress,

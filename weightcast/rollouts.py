@@ -12,6 +12,13 @@ class InvalidRolloutInput(ValueError):
     """The rollout was not started: the message lists every problem with the input."""
 
 
+def check_input(inp: RolloutInput, what: str = "rollout not started") -> None:
+    """Raise InvalidRolloutInput listing every problem with ``inp`` (nothing when it is valid)."""
+    problems = inp.problems()
+    if problems:
+        raise InvalidRolloutInput(f"{what}: " + "; ".join(problems))
+
+
 def rollout_id(model: str, version: str) -> str:
     return f"rollout-{model}-{version}"
 
@@ -20,9 +27,7 @@ async def start_rollout(client: Client, inp: RolloutInput, workflow_id: str | No
     """Idempotent: a retried CI job attaches to the running rollout (USE_EXISTING); a finished one is
     never started again under the same id (REJECT_DUPLICATE) — roll out a new version instead.
     Bad input is refused here, before anything reaches Temporal (the workflow checks again)."""
-    problems = inp.problems()
-    if problems:
-        raise InvalidRolloutInput("rollout not started: " + "; ".join(problems))
+    check_input(inp)
     return await client.start_workflow(
         RolloutWorkflow.run, inp, id=workflow_id or rollout_id(inp.model, inp.version), task_queue=CONTROL_QUEUE,
         id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,

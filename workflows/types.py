@@ -2,10 +2,17 @@
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 
 CONTROL_QUEUE = "weightcast-control"
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")   # model, version and host ids (go into workflow ids)
+
+
+def _within(v, low: float, high: float, integer: bool = False) -> bool:
+    """A real number (bools and strings from hand-written JSON are not) in [low, high]."""
+    kinds = int if integer else (int, float)
+    return isinstance(v, kinds) and not isinstance(v, bool) and low <= v <= high
 
 
 def host_queue(host_id: str) -> str:
@@ -49,15 +56,16 @@ class RolloutInput:
         for what, v in (("model", self.model), ("version", self.version)):
             if not isinstance(v, str) or not NAME.match(v):
                 out.append(f"{what} {v!r} must be 1-128 characters of letters, digits, '.', '_' or '-'")
-        if not self.signed_manifest.strip().startswith("{"):
+        if not isinstance(self.signed_manifest, str) or not self.signed_manifest.strip().startswith("{"):
             out.append("signed_manifest must be the signed manifest document (JSON), e.g. from `weightcast manifest build`")
-        missing = [k for k in ("endpoint", "bucket") if not self.origin.get(k)]
+        origin = self.origin if isinstance(self.origin, dict) else {}
+        missing = [k for k in ("endpoint", "bucket") if not origin.get(k)]
         if missing:
             out.append(f"origin lacks {', '.join(missing)}: give {{endpoint, bucket, prefix}} of the published checkpoint")
         if not self.hosts:
             out.append("hosts is empty: give at least one host")
         ids = [h.id for h in self.hosts]
-        dup = sorted({i for i in ids if ids.count(i) > 1}) if len(set(ids)) != len(ids) else []
+        dup = sorted(i for i, n in Counter(map(str, ids)).items() if n > 1)
         if dup:
             out.append(f"duplicate host ids: {', '.join(dup[:10])}")
         bad = [i for i in ids if not isinstance(i, str) or not NAME.match(i)]
@@ -65,20 +73,22 @@ class RolloutInput:
             out.append(f"bad host ids (letters, digits, '.', '_', '-'): {bad[:10]}")
         if self.router and not all(h.model_server for h in self.hosts):
             out.append("with a router every host needs its model_server address")
-        if not isinstance(self.max_concurrent_loads, int) or not 1 <= self.max_concurrent_loads <= 10_000:
-            out.append(f"max_concurrent_loads must be in [1, 10000], got {self.max_concurrent_loads!r}")
-        if not 0 <= self.failure_budget <= 1:
+        if not _within(self.max_concurrent_loads, 1, 10_000, integer=True):
+            out.append(f"max_concurrent_loads must be an integer in [1, 10000], got {self.max_concurrent_loads!r}")
+        if not _within(self.failure_budget, 0, 1):
             out.append(f"failure_budget is a fraction in [0, 1], got {self.failure_budget!r}")
         steps = self.traffic_steps
-        if not steps or any(not 0 < s <= 100 for s in steps) or steps != sorted(set(steps)) or steps[-1] != 100:
+        if (not isinstance(steps, list) or not steps or not all(_within(x, 1e-9, 100) for x in steps)
+                or steps != sorted(set(steps)) or steps[-1] != 100):
             out.append(f"traffic_steps must rise strictly within (0, 100] and end at 100, got {steps!r}")
-        if not 1 <= self.batch_size <= 1000:
-            out.append(f"batch_size must be in [1, 1000] (Temporal's pending-activity limit is 2000), got {self.batch_size}")
-        for what in ("unreachable_after_s", "heartbeat_timeout_s", "step_wait_s"):
-            if getattr(self, what) < 0 or (what != "step_wait_s" and getattr(self, what) == 0):
-                out.append(f"{what} must be positive, got {getattr(self, what)!r}")
-        if self.max_history_events < 1000:
-            out.append(f"max_history_events below 1000 would continue-as-new constantly, got {self.max_history_events}")
+        if not _within(self.batch_size, 1, 1000, integer=True):
+            out.append(f"batch_size must be in [1, 1000] (Temporal's pending-activity limit is 2000), got {self.batch_size!r}")
+        for what, low in (("unreachable_after_s", 1e-9), ("heartbeat_timeout_s", 1e-9), ("step_wait_s", 0)):
+            if not _within(getattr(self, what), low, float("inf")):
+                out.append(f"{what} must be {'positive' if low else 'zero or more'}, got {getattr(self, what)!r}")
+        if not _within(self.max_history_events, 1000, float("inf"), integer=True):
+            out.append(f"max_history_events must be an integer of at least 1000 (less would continue-as-new "
+                       f"constantly), got {self.max_history_events!r}")
         return out
 
 

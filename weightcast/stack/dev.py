@@ -111,6 +111,7 @@ async def serve(d: Path, hosts: int, rate: float, temporal_port: int, ui_port: i
                  "hosts": [asdict(h) for h in stack.hosts],
                  "peerd": {i: p.addr for i, p in stack.peerd.items()}}
         tmp = state_path(d).with_suffix(".tmp")
+        tmp.touch(mode=0o600)              # it holds the cluster token and S3 credentials
         tmp.write_text(json.dumps(state, indent=1))
         tmp.rename(state_path(d))          # appears whole: `up` waits for it
         await stop.wait()
