@@ -1,18 +1,26 @@
-"""Flow-level swarm simulator: drives the real ``SwarmPolicy`` over a fluid model of links.
+"""Flow-level swarm simulator at fleet scale (10,000 hosts x 6,250 chunks in minutes).
 
-Every request is a flow. Time advances in steps of ``1/steps_per_chunk`` of a chunk-time; in each
-step a flow moves at the smallest of its fair shares: the uploader's link split among its flows, the
-downloader's link split among its flows, and for cross-rack flows the racks' uplinks
-(``hosts_per_rack * rate / oversubscription``) split likewise. That is how concurrent TCP flows
-through token buckets behave in peerd. An uploader with ``upload_slots`` flows answers busy, as
-peerd's ``max_uploads`` does. Bitmaps reach neighbours every ``have_interval`` seconds, as gossip
-would; dead hosts are noticed after ``detect_s``. Each host's policy sees only its neighbours, like a
-daemon with a bounded active peer set. The per-step arithmetic is vectorised over all flows; the
-policy is called once per request and completion.
+Every host runs the same decision rules as peerd's ``SwarmPolicy``, evaluated for all hosts at once
+through the batched functions in ``peerd/choice.py`` that the daemon's policy calls with one row:
+rarest-first (by the count of neighbours holding a chunk) inside a window of the lowest missing
+chunks with a per-host random tie-break, sources ranked same rack first, cross-rack pulls only for a
+host's import stripe or after the rack grace, origin reads striped over the seeders and only for
+chunks no live host holds.
+
+The network is a fluid model. Each request is a flow; in each time step (a fraction of a
+chunk-time) flows get a max-min-like fair share of the uploader's link, the downloader's link and,
+across racks, both racks' uplinks (``hosts_per_rack * rate / oversubscription``): a first share
+``min(up/n_up, down/n_down)``, then flows whose links both have room are scaled up into it. That is
+how concurrent TCP flows through token buckets behave in peerd. An uploader with ``upload_slots``
+flows takes no more (peerd answers 503 busy); a requester only asks neighbours it knows to have
+the chunk, as it learns from HAVE gossip every ``have_interval``.
+
+Hosts die at random times (``fail_fraction``). A dead host's in-flight uploads stall until its
+peers notice (``detect_s``) and then fail; the downloaders ask elsewhere. Nothing is sent to a dead
+host once it is dead (its connections refuse).
 """
 from __future__ import annotations
 
-import heapq
 import math
 import random
 import time
@@ -20,7 +28,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from peerd.policy import ORIGIN, PolicyConfig, SwarmPolicy
+from bench.links import max_min_rates, scale_to_caps
+from peerd.choice import rank_window, source_scores, tiebreak_params
 
 
 @dataclass
@@ -33,15 +42,19 @@ class SimConfig:
     racks: int = 20
     oversubscription: float = 1.0
     fail_fraction: float = 0.05
-    neighbors: int = 12
+    neighbors: int = 16
     seeders: int = 16
-    have_interval: float = 0.5
+    have_interval: float = 0.1
     detect_s: float = 3.0
-    max_inflight: int = 4
+    max_inflight: int = 8                 # peer downloads per host
     max_per_peer: int = 2
-    slow_factor: float = 0.25
-    upload_slots: int = 4                 # concurrent uploads before answering busy (peerd's max_uploads)
-    steps_per_chunk: int = 2
+    upload_slots: int = 8                 # concurrent uploads before answering busy (peerd's max_uploads)
+    window: int = 128                     # chunks ranked per host (lowest missing onwards)
+    candidates: int = 12                  # best-ranked chunks kept per host between re-plans
+    request_rounds: int = 6               # rounds of (choose, ask, busy?) per time step
+    peer_first_rounds: int = 2            # rounds of asking an idle neighbour for its rarest chunk
+    rack_grace_s: float = 0.3            # a non-importer waits this long before pulling across racks
+    steps_per_chunk: int = 1
     seed: int = 1
 
 
@@ -55,9 +68,9 @@ def analytic_baselines(hosts: int, size: float, rate: float, origin_rate: float)
             "tree_depth": depth}
 
 
-def _neighbour_graph(cfg: SimConfig, rnd: random.Random, rack_of: list[int], by_rack: dict[int, list[int]]):
-    """A near-regular random graph (every host about ``neighbors`` peers, so none is starved by a
-    small peer set); two thirds of the edges stay inside a rack."""
+def _neighbour_graph(cfg: SimConfig, rnd: random.Random, by_rack: dict[int, list[int]]) -> np.ndarray:
+    """A near-regular random graph as an (N, k) array padded with N (a host that holds nothing):
+    every host has about ``neighbors`` peers, two thirds of them in its own rack."""
     N, k = cfg.hosts, min(cfg.neighbors, cfg.hosts - 1)
     nbrs: list[set[int]] = [set() for _ in range(N)]
 
@@ -78,193 +91,326 @@ def _neighbour_graph(cfg: SimConfig, rnd: random.Random, rack_of: list[int], by_
             if o != h:
                 nbrs[h].add(o)
                 nbrs[o].add(h)
-    return [sorted(x) for x in nbrs]
+    width = max(len(x) for x in nbrs)
+    out = np.full((N, width), N, np.int64)
+    for h, x in enumerate(nbrs):
+        out[h, :len(x)] = sorted(x)
+    return out
+
+
+class _Flows:
+    """In-flight requests in per-host slots: ``src[h, k]`` (-1 free), chunk, bytes left (in chunks)."""
+
+    def __init__(self, n: int, slots: int):
+        self.src = np.full((n, slots), -1, np.int64)
+        self.chunk = np.zeros((n, slots), np.int64)
+        self.left = np.zeros((n, slots))
+        self.nk = np.zeros((n, slots), np.int64)    # the source's position in the host's neighbour list
+
+    def free_slot(self, hosts: np.ndarray, first: int, last: int) -> np.ndarray:
+        """The first free slot in ``[first, last)`` for each host (they must have one)."""
+        return first + np.argmax(self.src[hosts, first:last] < 0, axis=1)
 
 
 def simulate(cfg: SimConfig, progress=None) -> dict:
     wall0 = time.monotonic()
     rnd = random.Random(cfg.seed)
+    nrng = np.random.default_rng(cfg.seed)
     origin_rate = cfg.origin_rate or cfg.rate
-    n_chunks = max(1, math.ceil(cfg.size / cfg.chunk))
-    N = cfg.hosts
+    C = max(1, math.ceil(cfg.size / cfg.chunk))
+    N, W = cfg.hosts, cfg.window
+    D, U = cfg.max_inflight, cfg.upload_slots
+    ORG = N + 1                                    # source index of the origin; N is "nobody"
     tau = cfg.chunk / cfg.rate
     dt = tau / cfg.steps_per_chunk
-    rack_of = [h % cfg.racks for h in range(N)]
-    rack_arr = np.array(rack_of + [-1])                     # index N is the origin
-    names = [f"h{h}" for h in range(N)]
-    index = {nm: h for h, nm in enumerate(names)}
-    index[ORIGIN] = N
+    rack = np.array([h % cfg.racks for h in range(N)] + [-1, -2])
     by_rack: dict[int, list[int]] = {}
     for h in range(N):
-        by_rack.setdefault(rack_of[h], []).append(h)
-    seeders = tuple(names[h] for h in rnd.sample(range(N), min(cfg.seeders, N)))
-    nbrs = _neighbour_graph(cfg, rnd, rack_of, by_rack)
+        by_rack.setdefault(int(rack[h]), []).append(h)
+    rack_rank = np.zeros(N, np.int64)              # this host's import stripe inside its rack
+    rack_size = np.zeros(N, np.int64)
+    for members in by_rack.values():
+        rack_rank[members] = np.arange(len(members))
+        rack_size[members] = len(members)
+    sizes, size_idx = np.unique(rack_size, return_inverse=True)
+    stripe = np.arange(C + W)[None, :] % sizes[:, None]   # chunk -> importer rank, per rack size
+    nbr = _neighbour_graph(cfg, rnd, by_rack)
+    same_rack = rack[nbr] == rack[:N, None]
+    nbr_row = nbr * (C + W)                        # flat offsets of the neighbours' rows
+    per_peer = np.zeros(nbr.shape, np.int64)       # my requests in flight to each neighbour
+    tb_a, tb_b = tiebreak_params(nrng, N)
 
-    pcfg = PolicyConfig(max_inflight=cfg.max_inflight, max_per_peer=cfg.max_per_peer,
-                        rack_grace_s=2.0, backoff_s=1.0, slow_factor=cfg.slow_factor)
-    pols = []
-    zeros = np.zeros(n_chunks, bool)
-    for h in range(N):
-        p = SwarmPolicy(me=names[h], n_chunks=n_chunks, rack=str(rack_of[h]), config=pcfg,
-                        seed=cfg.seed * 100003 + h, seeders=seeders,
-                        rack_members=tuple(names[o] for o in by_rack[rack_of[h]]))
-        for o in nbrs[h]:
-            p.peer_bitmap(names[o], zeros, 0.0, rack=str(rack_of[o]))
-        pols.append(p)
+    have = np.zeros((N + 1, C + W), bool)
+    have[:, C:] = True                             # padding: the window never runs off the end
+    have_flat = have.reshape(-1)                   # views for flat gathers
+    pend = np.zeros((N, C + W), bool)
+    nb_cnt = np.zeros((N, C + W), np.uint8)        # live neighbours known to hold each chunk
+    glob = np.zeros(C, np.int64)                   # live holders, fleet-wide
+    born = np.full(C + W, np.inf)                  # when each chunk first reached the fleet
+    lo = np.zeros(N, np.int64)
+    count = np.zeros(N, np.int64)
+    alive = np.ones(N + 2, bool)
+    alive[N] = False
+    done_at = np.full(N, np.nan)
+    seeders = np.array(sorted(rnd.sample(range(N), min(cfg.seeders, N))))
+    origin_pend = np.zeros(C, bool)
+
+    SL = D + 1                                     # slot D is the host's origin read
+    fl = _Flows(N, SL)
+    n_up = np.zeros(N + 2, np.int64)
+    n_down = np.zeros(N, np.int64)                 # peer downloads
+    plan = np.zeros((N, cfg.candidates), np.int64)  # each host's ranked chunks, and how far it got
+    plan_ok = np.zeros((N, cfg.candidates), bool)
+    plan_ptr = np.full(N, cfg.candidates)
+    carry = np.zeros(N)                            # download share left over by flows that ended mid-step
+    up_cap = np.full(N + 2, 1.0)
+    up_cap[ORG] = origin_rate / cfg.rate           # capacities in chunks per chunk-time
+    down_cap = np.ones(N)
+    rack_caps = np.full(cfg.racks, (N / cfg.racks) / cfg.oversubscription)
 
     lower = max(cfg.size / cfg.rate, cfg.size / origin_rate)
     deaths = sorted((rnd.uniform(0.1, 0.9) * lower, h) for h in rnd.sample(range(N), int(cfg.fail_fraction * N)))
-    alive = np.ones(N + 1, bool)
-    done_at = np.full(N, np.nan)
-    fresh: list[list[int]] = [[] for _ in range(N)]
     detect: list[tuple[float, int]] = []
-    wakeups: list[tuple[float, int]] = []
-
-    # flows live in per-host slots: K = peer requests + origin reads a host may have in flight
-    K = cfg.max_inflight * pcfg.endgame_dups + pcfg.origin_inflight   # endgame duplicates included
-    f_src = np.full((N, K), -1, np.int64)
-    f_chunk = np.zeros((N, K), np.int64)
-    f_left = np.zeros((N, K))
-    f_start = np.zeros((N, K))
-    slot_of: dict[tuple[int, int, int], int] = {}           # (host, chunk, src) -> slot
-    up_cap = np.full(N + 1, 1.0)
-    up_cap[N] = origin_rate / cfg.rate                      # in chunks per chunk-time
-    rack_cap = (N / cfg.racks) / cfg.oversubscription
-    host_of_slot = np.repeat(np.arange(N), K).reshape(N, K)
+    announce_h: list[np.ndarray] = []
+    announce_c: list[np.ndarray] = []
     origin_reads = cross_rack = transfers = 0
-    next_have, next_tick, step = cfg.have_interval, 5.0, 0
+    ar_w = np.arange(W)
+    next_have, next_progress, step = cfg.have_interval, 0.0, 0
     remaining = N
-    poll = set(range(N))
-    n_up = np.zeros(N + 1, np.int64)
+    gossiped = True
+    util_sum, util_steps, warm_s = 0.0, 0, math.nan
+    origin_done = math.nan
 
-    def issue(h: int, now: float) -> None:
-        pol = pols[h]
-        for _ in range(4):       # a busy answer comes back at once: ask again
-            refused = False
-            for r in pol.next_requests(now):
-                s = index[r.source]
-                if s != N and n_up[s] >= cfg.upload_slots:
-                    pol.chunk_failed(r.chunk, r.source, "busy", now)
-                    refused = True
-                    continue
-                k = int(np.flatnonzero(f_src[h] < 0)[0])
-                f_src[h, k], f_chunk[h, k], f_left[h, k], f_start[h, k] = s, r.chunk, 1.0, now
-                slot_of[(h, r.chunk, s)] = k
-                n_up[s] += 1
-            if not refused:
+    def flush_gossip() -> None:
+        if not announce_h:
+            return
+        h, c = np.concatenate(announce_h), np.concatenate(announce_c)
+        announce_h.clear()
+        announce_c.clear()
+        rows = nbr[h]
+        ok = rows < N
+        flat = (rows * (C + W) + c[:, None])[ok]
+        np.add.at(nb_cnt.reshape(-1), flat, 1)
+
+    def end_flows(hs: np.ndarray, ks: np.ndarray) -> None:
+        s = fl.src[hs, ks]
+        n_up[:] -= np.bincount(s, minlength=N + 2)
+        peer = ks < D
+        n_down[:] -= np.bincount(hs[peer], minlength=N)
+        pp = per_peer.ravel()                      # a view: update in place
+        pp -= np.bincount(hs[peer] * per_peer.shape[1] + fl.nk[hs[peer], ks[peer]], minlength=len(pp)).astype(pp.dtype)
+        fl.src[hs, ks] = -1
+
+    def advance_lo(hs: np.ndarray) -> None:
+        while len(hs):
+            seg = have[hs[:, None], lo[hs][:, None] + ar_w]
+            first = np.argmin(seg, axis=1)
+            full = seg[np.arange(len(hs)), first]   # every column held: move a whole window on
+            lo[hs] = np.minimum(lo[hs] + np.where(full, W, first), C)
+            hs = hs[full & (lo[hs] < C)]
+
+    def assign_origin(now: float) -> None:
+        live = seeders[alive[seeders]]
+        if len(live) == 0:
+            return
+        free = live[fl.src[live, D] < 0]
+        if len(free) == 0:
+            return
+        need = np.flatnonzero((glob == 0) & ~origin_pend)
+        for s in free:
+            stripe = need[need % len(live) == np.searchsorted(live, s)]
+            stripe = stripe[~have[s, stripe] & ~pend[s, stripe]]
+            if len(stripe):
+                c = int(stripe[0])
+                fl.src[s, D], fl.chunk[s, D], fl.left[s, D] = ORG, c, 1.0
+                origin_pend[c] = True
+                pend[s, c] = True
+                n_up[ORG] += 1
+
+    def start_flows(h: np.ndarray, c: np.ndarray, k: np.ndarray) -> None:
+        """Requests (host, chunk, neighbour position), at most one per host: an uploader takes as
+        many as it has free slots, in random order; the rest hear "busy" and retry."""
+        s = nbr[h, k]
+        order = np.lexsort((nrng.random(len(s)), s))
+        h, c, k, s = h[order], c[order], k[order], s[order]
+        first_of = np.searchsorted(s, s, side="left")
+        take = (np.arange(len(s)) - first_of) < (U - n_up[s])
+        h, c, k, s = h[take], c[take], k[take], s[take]
+        slot = fl.free_slot(h, 0, D)
+        fl.src[h, slot], fl.chunk[h, slot], fl.left[h, slot], fl.nk[h, slot] = s, c, 1.0 - carry[h], k
+        carry[h] = 0
+        pend[h, c] = True
+        n_up[:N] += np.bincount(s, minlength=N)
+        n_down[h] += 1
+        per_peer[h, k] += 1
+
+    def can_serve(h: np.ndarray) -> np.ndarray:
+        """(hosts, neighbours): which neighbours would take one more request from each host now."""
+        return (alive & (n_up < U))[nbr[h]] & (per_peer[h] < cfg.max_per_peer)
+
+    def speed(h: np.ndarray) -> np.ndarray:
+        """What a host's throughput tracking tells it about each neighbour, in [0, 1): an uploader
+        with fewer flows sends each one faster."""
+        return 1.0 - n_up[nbr[h]] / (U + 1)
+
+    def cross_ok(h: np.ndarray, c: np.ndarray, now: float) -> np.ndarray:
+        """A pull across racks: only for the host's import stripe, or once the chunk is old enough."""
+        hh = h[:, None] if c.ndim == 2 else h
+        return (stripe[size_idx[hh], c] == rack_rank[hh]) | (born[c] <= now - cfg.rack_grace_s)
+
+    def assign_peers(now: float, replan: bool) -> None:
+        hosts = np.flatnonzero(alive[:N] & np.isnan(done_at) & (n_down < D))
+        if len(hosts) == 0:
+            return
+        # rank afresh after gossip (the only time holder counts change) or when a host's list ran dry
+        stale = hosts if replan else hosts[plan_ptr[hosts] >= cfg.candidates]
+        if len(stale):
+            cols = lo[stale][:, None] + ar_w
+            flat = stale[:, None] * (C + W) + cols      # one flat gather per matrix (rows < N line up)
+            plan[stale], plan_ok[stale] = rank_window(
+                np.take(have_flat, flat), np.take(pend.ravel(), flat), np.take(nb_cnt.ravel(), flat),
+                cols, tb_a, tb_b[stale], cfg.candidates)
+            plan_ptr[stale] = 0
+        for _ in range(cfg.request_rounds):
+            rows = hosts[(n_down[hosts] < D) & (plan_ptr[hosts] < cfg.candidates)]
+            rows = rows[plan_ok[rows, plan_ptr[rows]]]
+            if len(rows) == 0:
                 break
-        w = pol.wake_at(now)
-        if w is not None:
-            heapq.heappush(wakeups, (w, h))
-
-    def end_flow(h: int, c: int, s: int) -> None:
-        k = slot_of.pop((h, c, s), None)
-        if k is not None:
-            f_src[h, k] = -1
-            n_up[s] -= 1
-
-    def cancel(h: int, cancels) -> None:
-        for x in cancels:
-            end_flow(h, x.chunk, index[x.source])
+            h = rows
+            c = plan[h, plan_ptr[h]]
+            gone = pend[h, c] | have[h, c]
+            plan_ptr[h[gone]] += 1
+            h, c = h[~gone], c[~gone]
+            holds = np.take(have_flat, nbr_row[h] + c[:, None]) & can_serve(h)
+            holds &= same_rack[h] | cross_ok(h, c, now)[:, None]
+            k = np.argmax(source_scores(holds, same_rack[h], per_peer[h], nrng, speed(h)), axis=1)
+            found = holds[np.arange(len(h)), k]
+            plan_ptr[h[~found]] += 1
+            if found.any():
+                start_flows(h[found], c[found], k[found])
+        # the rarest chunks' holders are all busy: ask an idle neighbour for the rarest chunk it
+        # has (SwarmPolicy._peer_first)
+        for _ in range(cfg.peer_first_rounds):
+            h = hosts[(n_down[hosts] < D)]
+            if len(h) == 0:
+                break
+            serve = can_serve(h)
+            k = np.argmax(source_scores(serve, same_rack[h], per_peer[h], nrng, speed(h)), axis=1)
+            found = serve[np.arange(len(h)), k]
+            h, k = h[found], k[found]
+            if len(h) == 0:
+                break
+            s = nbr[h, k]
+            cols = lo[h][:, None] + ar_w
+            fh, fs = h[:, None] * (C + W) + cols, s[:, None] * (C + W) + cols
+            want = ~np.take(have_flat, fh) & ~np.take(pend.ravel(), fh) & np.take(have_flat, fs)
+            want &= same_rack[h, k][:, None] | cross_ok(h, cols, now)
+            cand, ok = rank_window(~want, np.zeros_like(want), np.maximum(np.take(nb_cnt.ravel(), fh), 1),
+                                   cols, tb_a, tb_b[h], 1)
+            ok = ok[:, 0]
+            if not ok.any():
+                break
+            start_flows(h[ok], cand[ok, 0], k[ok])
 
     while remaining:
         now = step * dt
         while deaths and deaths[0][0] <= now:
             _, h = deaths.pop(0)
+            flush_gossip()
             alive[h] = False
             remaining -= 1
-            for k in np.flatnonzero(f_src[h] >= 0):            # its own downloads stop
-                n_up[f_src[h, k]] -= 1
-                f_src[h, k] = -1
-            slot_of_h = [key for key in slot_of if key[0] == h]
-            for key in slot_of_h:
-                del slot_of[key]
-            heapq.heappush(detect, (now + cfg.detect_s, h))
+            if fl.src[h, D] == ORG:                # its origin read is lost: another seeder takes it
+                origin_pend[fl.chunk[h, D]] = False
+            ks = np.flatnonzero(fl.src[h] >= 0)
+            end_flows(np.full(len(ks), h), ks)
+            detect.append((now + cfg.detect_s, h))
         while detect and detect[0][0] <= now:
-            _, h = heapq.heappop(detect)
-            nb = set(nbrs[h])
-            for o in range(N):
-                if alive[o]:
-                    if o in nb:
-                        cancel(o, pols[o].peer_dead(names[h]))
-                        poll.add(o)
-                    else:
-                        pols[o].member_dead(names[h])
-        while wakeups and wakeups[0][0] <= now:
-            poll.add(heapq.heappop(wakeups)[1])
-        for h in poll:
-            if alive[h] and not pols[h].complete:
-                issue(h, now)
-        poll = set()
+            _, h = detect.pop(0)
+            rows = nbr[h][nbr[h] < N]
+            nb_cnt[rows, :C] -= have[h, :C]
+            glob[:] -= have[h, :C]
+            hs, ks = np.nonzero(fl.src == h)       # its stalled uploads fail now
+            pend[hs, fl.chunk[hs, ks]] = False
+            end_flows(hs, ks)
+        assign_origin(now)
+        assign_peers(now, gossiped)
+        gossiped = False
 
-        # fluid step: each flow at the smallest of its fair shares
-        act = f_src >= 0
-        src = f_src[act]
-        if len(src):
-            dst = host_of_slot[act]
-            n_down = act.sum(axis=1)
-            rate = np.minimum(up_cap[src] / n_up[src], 1.0 / n_down[dst])
-            rate[~alive[src]] = 0.0                              # a dead uploader sends nothing
-            cross = (rack_arr[src] != rack_arr[dst]) & (src != N)
-            if cross.any():
-                out_n = np.bincount(rack_arr[src][cross], minlength=cfg.racks)
-                in_n = np.bincount(rack_arr[dst][cross], minlength=cfg.racks)
-                rate[cross] = np.minimum(rate[cross], np.minimum(rack_cap / out_n[rack_arr[src][cross]],
-                                                                 rack_cap / in_n[rack_arr[dst][cross]]))
-            left = f_left[act] - rate / cfg.steps_per_chunk
-            f_left[act] = left
-            finished = np.flatnonzero(left <= 1e-9)
-            end = now + dt
-            if len(finished):
-                hs, ks = np.nonzero(act)
-                for i in finished:
-                    h, k = int(hs[i]), int(ks[i])
-                    s, c = int(f_src[h, k]), int(f_chunk[h, k])
-                    end_flow(h, c, s)
-                    cancel(h, pols[h].chunk_done(c, names[s] if s != N else ORIGIN, cfg.chunk, end - f_start[h, k], end))
-                    fresh[h].append(c)
-                    poll.add(h)
-                    transfers += 1
-                    if s == N:
-                        origin_reads += 1
-                    elif rack_of[s] != rack_of[h]:
-                        cross_rack += 1
-                    if pols[h].complete and np.isnan(done_at[h]):
-                        done_at[h] = end
-                        remaining -= 1
+        # fluid step
+        hs, ks = np.nonzero(fl.src >= 0)
+        if len(hs):
+            s = fl.src[hs, ks]
+            live = alive[s]
+            r = np.zeros(len(s))
+            r[live] = max_min_rates(s[live], hs[live], up_cap, down_cap)   # a dead uploader sends nothing
+            cross = (rack[s] != rack[hs]) & (s < N)
+            if cross.any() and cfg.oversubscription > 1:
+                r[cross] = scale_to_caps(r[cross], [(rack[s[cross]], rack_caps), (rack[hs[cross]], rack_caps)])
+            moved = r / cfg.steps_per_chunk
+            fl.left[hs, ks] -= moved
+            busy_hosts = np.isnan(done_at) & alive[:N]
+            if busy_hosts.any():              # the mean download utilisation of unfinished hosts
+                u = float(np.bincount(hs, r, minlength=N)[busy_hosts].mean())
+                util_sum, util_steps = util_sum + u, util_steps + 1
+                if math.isnan(warm_s) and u >= 0.95:
+                    warm_s = now
+            fin = fl.left[hs, ks] <= 1e-9
+            if fin.any():
+                fh, fk = hs[fin], ks[fin]
+                fs, fc = fl.src[fh, fk], fl.chunk[fh, fk]
+                # a flow that ends mid-step: when exactly, and the rest of the step's share goes to
+                # the host's next request (peerd starts it at once; a step boundary must not idle it)
+                over = -fl.left[fh, fk]
+                t_end = now + dt * (1 - over / np.maximum(moved[fin], 1e-12))
+                peer = fk < D
+                carry[:] = 0
+                np.add.at(carry, fh[peer], np.minimum(over[peer], moved[fin][peer]))
+                end_flows(fh, fk)
+                first = np.isinf(born[fc])
+                np.minimum.at(born, fc, t_end)
+                if first.any() and not np.isinf(born[:C]).any():
+                    origin_done = float(born[:C].max())
+                new = ~have[fh, fc]
+                fh, fc, fs, t_end = fh[new], fc[new], fs[new], t_end[new]
+                have[fh, fc] = True
+                pend[fh, fc] = False
+                glob += np.bincount(fc, minlength=C)
+                count += np.bincount(fh, minlength=N)
+                origin_pend[fc[fs == ORG]] = False
+                transfers += len(fh)
+                origin_reads += int((fs == ORG).sum())
+                cross_rack += int(((fs < N) & (rack[np.minimum(fs, N)] != rack[fh])).sum())
+                announce_h.append(fh)
+                announce_c.append(fc)
+                advance_lo(np.unique(fh))
+                last = (count[fh] == C) & np.isnan(done_at[fh])
+                np.fmax.at(done_at, fh[last], t_end[last])
+                remaining -= len(np.unique(fh[last]))
         step += 1
         now = step * dt
         if now >= next_have:
             next_have += cfg.have_interval
-            for h in range(N):
-                if fresh[h] and alive[h]:
-                    for o in nbrs[h]:
-                        if alive[o] and not pols[o].complete:
-                            pols[o].peer_has(names[h], fresh[h], now)
-                            poll.add(o)
-                    fresh[h] = []
-        if now >= next_tick:
-            next_tick += 5.0
-            for h in range(N):
-                if alive[h] and not pols[h].complete:
-                    pols[h].tick(now)
-                    poll.add(h)
-            if progress:
-                progress(now, lower, int(np.sum(~np.isnan(done_at))), N)
+            flush_gossip()
+            gossiped = True
+        if progress and now >= next_progress:
+            next_progress += lower / 100
+            progress(now, lower, int(np.sum(~np.isnan(done_at))), N)
         if now > 20 * lower:
             raise RuntimeError(f"simulation did not converge by {20 * lower:.0f} s: {remaining} hosts unfinished")
 
     surv = done_at[alive[:N]]
     p50, p90, mx = (float(np.percentile(surv, q)) for q in (50, 90, 100))
-    size_bytes = n_chunks * cfg.chunk
-    out = {"config": asdict(cfg), "chunks": n_chunks, "survivors": int(alive[:N].sum()),
+    size_bytes = C * cfg.chunk
+    out = {"config": asdict(cfg), "chunks": C, "survivors": int(alive[:N].sum()),
            "died": N - int(alive[:N].sum()),
            **analytic_baselines(N, cfg.size, cfg.rate, origin_rate),
-           "p50_s": p50, "p90_s": p90, "max_s": mx, "ratio": mx / lower,
+           "origin_done_s": origin_done, "p50_s": p50, "p90_s": p90, "max_s": mx, "ratio": mx / lower, "p50_ratio": p50 / lower,
            "origin_copies": origin_reads * cfg.chunk / size_bytes,
-           "cross_rack_copies_per_chunk": cross_rack / n_chunks,
+           "cross_rack_copies_per_chunk": cross_rack / C,
            "cross_rack_bytes": cross_rack * cfg.chunk,
-           "transfers": transfers, "wall_s": time.monotonic() - wall0}
+           "mean_download_utilisation": util_sum / max(util_steps, 1),
+           "warm_up_s": warm_s,                   # until unfinished hosts first download at >= 95 %
+           "transfers": transfers, "steps": step, "wall_s": time.monotonic() - wall0}
     out["naive_over_swarm"] = out["naive_pull_s"] / mx
     out["tree_over_swarm"] = out["binary_tree_s"] / mx
     return out

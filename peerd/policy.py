@@ -18,6 +18,8 @@ from statistics import median
 
 import numpy as np
 
+from peerd.choice import rank_window, source_scores, tiebreak_params
+
 ORIGIN = "<origin>"
 
 
@@ -37,6 +39,8 @@ class PolicyConfig:
     max_errors: int = 3            # consecutive errors before a peer is declared dead
     rack_grace_s: float = 2.0      # a non-designated host waits this long before pulling cross-rack
     plan_size: int = 64            # chunks ranked per re-plan
+    window: int = 1024             # ranked among the lowest missing chunks: a bounded spread of
+                                   # half-done work, and the same rule the simulator runs at scale
 
 
 @dataclass(frozen=True)
@@ -91,7 +95,8 @@ class SwarmPolicy:
         self.peers: dict[str, PeerState] = {}
         self.dead_members: set[str] = set()
         self.first_seen = np.full(n, math.inf)
-        self.tiebreak = self.rng.permutation(n).astype(np.int64)
+        self._tb = tiebreak_params(self.rng, 1)
+        self.lo = 0                                  # lowest missing chunk
         self.origin_reads = 0
         self.origin_active = 0
         self.peer_requests = 0
@@ -246,28 +251,30 @@ class SwarmPolicy:
         return self.missing == 0
 
     def next_requests(self, now: float) -> list[Request]:
-        # origin reads have their own budget: a seeder's peer pipeline never waits behind the origin
-        free = self.config.max_inflight - self.peer_requests
-        origin_ok = (self.origin_active < self.config.origin_inflight and now >= self.origin_backoff_until
-                     and self.origin_mask.any())
-        if (free <= 0 and not origin_ok) or self.missing == 0:
+        if self.missing == 0:
             return []
+        out: list[Request] = []
+        # origin reads have their own budget: a seeder's peer pipeline never waits behind the origin
+        for c in self._origin_chunks(now):
+            self._add_request(c, ORIGIN)
+            out.append(Request(c, ORIGIN))
+        free = self.config.max_inflight - self.peer_requests
+        if free <= 0:
+            return out
         # peers that can take a request now, in a random rotation (random among equals)
         cap = self.config.max_per_peer
         ready = [(pid, p) for pid, p in self._peer_list if p.inflight < cap and p.usable(now)]
-        if ready:
-            r = self._rnd.randrange(len(ready))
-            ready = ready[r:] + ready[:r]
-        if not ready and not origin_ok:
-            return []
+        if not ready:
+            return out
+        r = self._rnd.randrange(len(ready))
+        ready = ready[r:] + ready[:r]
         n_peer = 0
-        out: list[Request] = []
         for attempt in range(2):
             if self._dirty or attempt:
                 self._replan(now)
             plan = self._plan
             if len(plan):
-                # only chunks a ready peer holds, or that the origin may serve, are worth a look
+                # only chunks a ready peer holds are worth a look
                 ok = ~self.have[plan] & ~self.inflight_mask[plan]
                 reach = np.zeros(len(plan), bool)
                 local = [p.bits[plan] for _, p in ready if p.rack == self.rack]
@@ -277,27 +284,24 @@ class SwarmPolicy:
                 if remote:   # across racks only where this host is the importer, or after the grace
                     reach |= np.logical_or.reduce(remote) & (
                         self.import_mask[plan] | (now - self.first_seen[plan] >= self.config.rack_grace_s))
-                if origin_ok:
-                    reach |= self.origin_mask[plan] & (self.avail[plan] == 0)
                 plan = plan[ok & reach]
             for c in plan.tolist():
                 if self.inflight_mask[c]:
                     continue
-                src = self._choose_source(c, now, ready if n_peer < free else [])
-                if src is not None:
-                    self._add_request(c, src)
-                    out.append(Request(c, src))
-                    if src != ORIGIN:
-                        n_peer += 1
-                        if self.peers[src].inflight >= cap:
-                            ready = [x for x in ready if x[0] != src]
-                    if (n_peer >= free or not ready) and not (
-                            origin_ok and self.origin_active < self.config.origin_inflight):
-                        return out
-            if out or len(self._plan) < self.config.plan_size:
+                src = self._choose_source(c, now, ready)
+                if src is None:
+                    continue
+                self._add_request(c, src)
+                out.append(Request(c, src))
+                n_peer += 1
+                if self.peers[src].inflight >= cap:
+                    ready = [x for x in ready if x[0] != src]
+                if n_peer >= free or not ready:
+                    return out
+            if n_peer or len(self._plan) < self.config.plan_size:
                 break  # nothing more is fetchable now, or the plan was complete
-        if n_peer == 0 and free > 0 and ready:
-            out += self._peer_first(now, free, ready)
+        if n_peer < free and ready:
+            out += self._peer_first(now, free - n_peer, ready)
         if not out and self.missing <= self.config.endgame_chunks:
             out = self._endgame(now)
         return out
@@ -316,67 +320,56 @@ class SwarmPolicy:
 
     def _replan(self, now: float) -> None:
         self._dirty = False
-        want = ~self.have & ~self.inflight_mask
-        fetchable = want & ((self.avail > 0) | self.origin_mask)
-        cand = np.flatnonzero(fetchable)
-        if len(cand) == 0:
-            self._plan = cand
-            return
-        n_have = self.n_chunks - self.missing
-        if n_have < self.config.random_first:
-            key = self.tiebreak[cand]                       # random order: something to trade early
-        else:
-            key = self.avail[cand].astype(np.int64) * self.n_chunks + self.tiebreak[cand]  # rarest first
-        k = self.config.plan_size
-        if len(cand) > k:
-            part = np.argpartition(key, k)[:k]
-            cand, key = cand[part], key[part]
-        self._plan = cand[np.argsort(key, kind="stable")]
+        n = self.n_chunks
+        while self.lo < n and self.have[self.lo]:
+            self.lo += 1
+        cols = np.arange(self.lo, min(self.lo + self.config.window, n))[None, :]
+        holders = self.avail[cols]
+        if n - self.missing < self.config.random_first:
+            holders = np.minimum(holders, 1)                # random order: something to trade early
+        cand, ok = rank_window(self.have[cols], self.inflight_mask[cols], holders, cols, *self._tb,
+                               self.config.plan_size)
+        self._plan = cand[0][ok[0]]
+
+    def _origin_chunks(self, now: float) -> list[int]:
+        """The next chunks of this host's origin stripe that no live peer holds, in order."""
+        free = self.config.origin_inflight - self.origin_active
+        if free <= 0 or now < self.origin_backoff_until:
+            return []
+        cand = np.flatnonzero(self.origin_mask & (self.avail == 0) & ~self.have & ~self.inflight_mask)
+        return cand[:free].tolist()
 
     def _choose_source(self, c: int, now: float, ready: list) -> str | None:
-        best_local = best_remote = None
-        bl = br = None
-        for pid, p in ready:
-            if not p.bits[c]:
-                continue
-            if p.rack == self.rack:
-                if bl is None or self._better(p, bl):
-                    best_local, bl = pid, p
-            elif br is None or self._better(p, br):
-                best_remote, br = pid, p
-        if best_local is not None:
-            return best_local
-        if best_remote is not None and (self.import_mask[c] or now - self.first_seen[c] >= self.config.rack_grace_s):
-            return best_remote
-        if (self.avail[c] == 0 and self.origin_mask[c]
-                and self.origin_active < self.config.origin_inflight and now >= self.origin_backoff_until):
-            return ORIGIN
-        return None
+        if not ready:
+            return None
+        cross_ok = self.import_mask[c] or now - self.first_seen[c] >= self.config.rack_grace_s
+        same = np.array([p.rack == self.rack for _, p in ready])
+        holds = np.array([bool(p.bits[c]) for _, p in ready]) & (same | cross_ok)
+        if not holds.any():
+            return None
+        rates = np.array([p.rate for _, p in ready])
+        rate_rank = rates.argsort().argsort() / len(ready)
+        inflight = np.array([p.inflight for _, p in ready])
+        score = source_scores(holds[None], same[None], inflight[None], self.rng, rate_rank[None])[0]
+        return ready[int(np.argmax(score))][0]
 
     def _peer_first(self, now: float, free: int, ready: list) -> list[Request]:
-        """The rarest chunks' holders are all busy: rather than idle, ask each idle peer for the
+        """The rarest chunks' holders are all busy: rather than idle, ask each ready peer for the
         rarest chunk *it* has (BitTorrent's order: the uploader first, then rarest among its pieces)."""
         out: list[Request] = []
-        want = ~self.have & ~self.inflight_mask
+        cols = np.arange(self.lo, min(self.lo + self.config.window, self.n_chunks))[None, :]
+        cross_ok = self.import_mask[cols] | (now - self.first_seen[cols] >= self.config.rack_grace_s)
         for pid, p in ready:
-            if p.inflight:
-                continue
-            cand = np.flatnonzero(p.bits & want)
-            if p.rack != self.rack:
-                cand = cand[self.import_mask[cand] | (now - self.first_seen[cand] >= self.config.rack_grace_s)]
-            if len(cand) == 0:
-                continue
-            c = int(cand[np.argmin(self.avail[cand].astype(np.int64) * self.n_chunks + self.tiebreak[cand])])
-            self._add_request(c, pid)
-            want[c] = False
-            out.append(Request(c, pid))
             if len(out) >= free:
                 break
+            offered = p.bits[cols] & (cross_ok if p.rack != self.rack else True)
+            cand, ok = rank_window(~offered | self.have[cols], self.inflight_mask[cols],
+                                   np.maximum(self.avail[cols], 1), cols, *self._tb, 1)
+            if ok[0, 0]:
+                c = int(cand[0, 0])
+                self._add_request(c, pid)
+                out.append(Request(c, pid))
         return out
-
-    @staticmethod
-    def _better(a: PeerState, b: PeerState) -> bool:
-        return (a.inflight, -a.rate) < (b.inflight, -b.rate)
 
     def _endgame(self, now: float) -> list[Request]:
         out = []

@@ -1,0 +1,56 @@
+"""Batched decision rules of the swarm policy: one row per deciding host.
+
+``SwarmPolicy`` calls these with one row (the daemon's host); the simulator calls them with every
+host that has a free request slot in a time step, so both decide by the same code. Pure functions of
+their arguments; randomness comes in through seeded parameters or a passed generator.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+_T = 4096                   # size of the random order table; chunk ids wrap around it
+_NONE = np.iinfo(np.int32).max
+
+
+def tiebreak_params(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """A random order over chunk ids, different on every host (so that equally rare chunks are
+    picked at random and hosts do not all pick the same one): a shared random table read at a
+    per-host offset."""
+    return rng.permutation(_T).astype(np.int32), rng.integers(0, _T, n, dtype=np.int64)
+
+
+def rarity_key(holders: np.ndarray, cols: np.ndarray, table: np.ndarray, offset: np.ndarray) -> np.ndarray:
+    """Sort key per (row, chunk): fewest holders first, then the row's random order."""
+    return holders.astype(np.int32) * _T + table[(cols + offset[:, None]) & (_T - 1)]
+
+
+def rank_window(have: np.ndarray, pending: np.ndarray, holders: np.ndarray, cols: np.ndarray,
+                table: np.ndarray, offset: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rarest first: for each row, the ``k`` wanted chunks held by the fewest known peers (random
+    order among equals), best first.
+
+    All inputs are (rows, window) over the chunk ids in ``cols``: whether the host has the chunk,
+    has asked for it, and how many usable peers hold it. A chunk is wanted when the host lacks it,
+    has not asked for it and some peer holds it. Returns (chunk ids, valid) of shape (rows, k)."""
+    want = ~have & ~pending & (holders > 0)
+    key = np.where(want, rarity_key(holders, cols, table, offset), _NONE)
+    k = min(k, key.shape[1])
+    if k == 1:
+        idx = np.argmin(key, axis=1)[:, None]
+        return np.take_along_axis(cols, idx, axis=1), np.take_along_axis(key, idx, axis=1) != _NONE
+    part = np.argpartition(key, k - 1, axis=1)[:, :k] if k < key.shape[1] else np.broadcast_to(
+        np.arange(key.shape[1]), key.shape).copy()
+    order = np.argsort(np.take_along_axis(key, part, axis=1), axis=1, kind="stable")
+    idx = np.take_along_axis(part, order, axis=1)
+    return np.take_along_axis(cols, idx, axis=1), np.take_along_axis(key, idx, axis=1) != _NONE
+
+
+def source_scores(holds: np.ndarray, same_rack: np.ndarray, mine_inflight: np.ndarray,
+                  rng: np.random.Generator, rate_rank: np.ndarray | None = None) -> np.ndarray:
+    """Score each candidate peer of each row (higher is better; -inf = cannot serve): a peer in the
+    host's own rack first, then the one this host has fewest requests in flight to, then the faster
+    (``rate_rank`` in [0, 1)), then at random."""
+    score = same_rack * 64.0 - mine_inflight * 4.0 + rng.random(holds.shape)
+    if rate_rank is not None:
+        score += 2.0 * rate_rank
+    return np.where(holds, score, -np.inf)
