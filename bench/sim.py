@@ -53,7 +53,7 @@ class SimConfig:
     candidates: int = 12                  # best-ranked chunks kept per host between re-plans
     request_rounds: int = 6               # rounds of (choose, ask, busy?) per time step
     peer_first_rounds: int = 2            # rounds of asking an idle neighbour for its rarest chunk
-    rack_grace_s: float = 0.3            # a non-importer waits this long before pulling across racks
+    rack_grace_s: float = 0.3             # a non-importer waits this long before pulling across racks
     steps_per_chunk: int = 1
     seed: int = 1
 
@@ -189,8 +189,8 @@ def simulate(cfg: SimConfig, progress=None) -> dict:
         announce_c.clear()
         rows = nbr[h]
         ok = rows < N
-        flat = (rows * (C + W) + c[:, None])[ok]
-        np.add.at(nb_cnt.reshape(-1), flat, 1)
+        flat, n = np.unique((rows * (C + W) + c[:, None])[ok], return_counts=True)
+        nb_cnt.reshape(-1)[flat] += n.astype(np.uint8)   # unique + add: ~10x faster than add.at here
 
     def end_flows(hs: np.ndarray, ks: np.ndarray) -> None:
         s = fl.src[hs, ks]
@@ -244,17 +244,20 @@ def simulate(cfg: SimConfig, progress=None) -> dict:
         n_down[h] += 1
         per_peer[h, k] += 1
 
-    def can_serve(h: np.ndarray) -> np.ndarray:
-        """(hosts, neighbours): which neighbours would take one more request from each host now."""
-        return (alive & (n_up < U))[nbr[h]] & (per_peer[h] < cfg.max_per_peer)
-
-    def speed(h: np.ndarray) -> np.ndarray:
-        """What a host's throughput tracking tells it about each neighbour, in [0, 1): an uploader
-        with fewer flows sends each one faster."""
-        return 1.0 - n_up[nbr[h]] / (U + 1)
+    def pick_source(h: np.ndarray, holds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """For each host, the best neighbour among ``holds`` that would take one more request now:
+        (neighbour position, found). What a host's throughput tracking tells it about a neighbour
+        is modelled by the neighbour's load: an uploader with fewer flows sends each one faster."""
+        peers = nbr[h]
+        load = n_up[peers]
+        mine = per_peer[h]
+        holds = holds & alive[peers] & (load < U) & (mine < cfg.max_per_peer)
+        k = np.argmax(source_scores(holds, same_rack[h], mine, nrng, 1.0 - load / (U + 1)), axis=1)
+        return k, holds[np.arange(len(h)), k]
 
     def cross_ok(h: np.ndarray, c: np.ndarray, now: float) -> np.ndarray:
-        """A pull across racks: only for the host's import stripe, or once the chunk is old enough."""
+        """A pull across racks: for the host's import stripe, or once the chunk has been around
+        for the grace (SwarmPolicy._cross_ok)."""
         hh = h[:, None] if c.ndim == 2 else h
         return (stripe[size_idx[hh], c] == rack_rank[hh]) | (born[c] <= now - cfg.rack_grace_s)
 
@@ -281,10 +284,8 @@ def simulate(cfg: SimConfig, progress=None) -> dict:
             gone = pend[h, c] | have[h, c]
             plan_ptr[h[gone]] += 1
             h, c = h[~gone], c[~gone]
-            holds = np.take(have_flat, nbr_row[h] + c[:, None]) & can_serve(h)
-            holds &= same_rack[h] | cross_ok(h, c, now)[:, None]
-            k = np.argmax(source_scores(holds, same_rack[h], per_peer[h], nrng, speed(h)), axis=1)
-            found = holds[np.arange(len(h)), k]
+            holds = np.take(have_flat, nbr_row[h] + c[:, None]) & (same_rack[h] | cross_ok(h, c, now)[:, None])
+            k, found = pick_source(h, holds)
             plan_ptr[h[~found]] += 1
             if found.any():
                 start_flows(h[found], c[found], k[found])
@@ -294,9 +295,7 @@ def simulate(cfg: SimConfig, progress=None) -> dict:
             h = hosts[(n_down[hosts] < D)]
             if len(h) == 0:
                 break
-            serve = can_serve(h)
-            k = np.argmax(source_scores(serve, same_rack[h], per_peer[h], nrng, speed(h)), axis=1)
-            found = serve[np.arange(len(h)), k]
+            k, found = pick_source(h, np.ones(nbr[h].shape, bool))
             h, k = h[found], k[found]
             if len(h) == 0:
                 break
@@ -304,7 +303,9 @@ def simulate(cfg: SimConfig, progress=None) -> dict:
             cols = lo[h][:, None] + ar_w
             fh, fs = h[:, None] * (C + W) + cols, s[:, None] * (C + W) + cols
             want = ~np.take(have_flat, fh) & ~np.take(pend.ravel(), fh) & np.take(have_flat, fs)
-            want &= same_rack[h, k][:, None] | cross_ok(h, cols, now)
+            far = ~same_rack[h, k]
+            if far.any():
+                want[far] &= cross_ok(h[far], cols[far], now)
             cand, ok = rank_window(~want, np.zeros_like(want), np.maximum(np.take(nb_cnt.ravel(), fh), 1),
                                    cols, tb_a, tb_b[h], 1)
             ok = ok[:, 0]
@@ -382,7 +383,7 @@ def simulate(cfg: SimConfig, progress=None) -> dict:
                 cross_rack += int(((fs < N) & (rack[np.minimum(fs, N)] != rack[fh])).sum())
                 announce_h.append(fh)
                 announce_c.append(fc)
-                advance_lo(np.unique(fh))
+                advance_lo(np.unique(fh[fc == lo[fh]]))   # only a host's lowest missing chunk moves it
                 last = (count[fh] == C) & np.isnan(done_at[fh])
                 np.fmax.at(done_at, fh[last], t_end[last])
                 remaining -= len(np.unique(fh[last]))

@@ -96,7 +96,7 @@ class SwarmPolicy:
         self.dead_members: set[str] = set()
         self.first_seen = np.full(n, math.inf)
         self._tb = tiebreak_params(self.rng, 1)
-        self.lo = 0                                  # lowest missing chunk
+        self.lo = int(np.argmin(self.have)) if not self.have.all() else n   # lowest missing chunk
         self.origin_reads = 0
         self.origin_active = 0
         self.peer_requests = 0
@@ -201,6 +201,9 @@ class SwarmPolicy:
         if not self.have[chunk]:
             self.have[chunk] = True
             self.missing -= 1
+            while self.lo < self.n_chunks and self.have[self.lo]:
+                self.lo += 1
+            self._dirty = True                       # the window may have slid
         return [Cancel(chunk, s) for s in srcs if s != source]
 
     def chunk_failed(self, chunk: int, source: str, reason: str, now: float) -> list[Cancel]:
@@ -281,14 +284,17 @@ class SwarmPolicy:
                 remote = [p.bits[plan] for _, p in ready if p.rack != self.rack]
                 if local:
                     reach |= np.logical_or.reduce(local)
+                far_ok = self._cross_ok(plan, now)
                 if remote:   # across racks only where this host is the importer, or after the grace
-                    reach |= np.logical_or.reduce(remote) & (
-                        self.import_mask[plan] | (now - self.first_seen[plan] >= self.config.rack_grace_s))
-                plan = plan[ok & reach]
-            for c in plan.tolist():
+                    reach |= np.logical_or.reduce(remote) & far_ok
+                keep = ok & reach
+                plan, far_ok = plan[keep], far_ok[keep]
+            else:
+                far_ok = np.zeros(0, bool)
+            for c, far in zip(plan.tolist(), far_ok.tolist()):
                 if self.inflight_mask[c]:
                     continue
-                src = self._choose_source(c, now, ready)
+                src = self._choose_source(c, ready, far)
                 if src is None:
                     continue
                 self._add_request(c, src)
@@ -321,8 +327,6 @@ class SwarmPolicy:
     def _replan(self, now: float) -> None:
         self._dirty = False
         n = self.n_chunks
-        while self.lo < n and self.have[self.lo]:
-            self.lo += 1
         cols = np.arange(self.lo, min(self.lo + self.config.window, n))[None, :]
         holders = self.avail[cols]
         if n - self.missing < self.config.random_first:
@@ -330,6 +334,11 @@ class SwarmPolicy:
         cand, ok = rank_window(self.have[cols], self.inflight_mask[cols], holders, cols, *self._tb,
                                self.config.plan_size)
         self._plan = cand[0][ok[0]]
+
+    def _cross_ok(self, chunks: np.ndarray, now: float) -> np.ndarray:
+        """May these chunks come from another rack? For this host's import stripe, yes; for the
+        rest once the rack grace has passed since a peer was first seen with them."""
+        return self.import_mask[chunks] | (now - self.first_seen[chunks] >= self.config.rack_grace_s)
 
     def _origin_chunks(self, now: float) -> list[int]:
         """The next chunks of this host's origin stripe that no live peer holds, in order."""
@@ -339,10 +348,7 @@ class SwarmPolicy:
         cand = np.flatnonzero(self.origin_mask & (self.avail == 0) & ~self.have & ~self.inflight_mask)
         return cand[:free].tolist()
 
-    def _choose_source(self, c: int, now: float, ready: list) -> str | None:
-        if not ready:
-            return None
-        cross_ok = self.import_mask[c] or now - self.first_seen[c] >= self.config.rack_grace_s
+    def _choose_source(self, c: int, ready: list, cross_ok: bool) -> str | None:
         same = np.array([p.rack == self.rack for _, p in ready])
         holds = np.array([bool(p.bits[c]) for _, p in ready]) & (same | cross_ok)
         if not holds.any():
@@ -358,7 +364,7 @@ class SwarmPolicy:
         rarest chunk *it* has (BitTorrent's order: the uploader first, then rarest among its pieces)."""
         out: list[Request] = []
         cols = np.arange(self.lo, min(self.lo + self.config.window, self.n_chunks))[None, :]
-        cross_ok = self.import_mask[cols] | (now - self.first_seen[cols] >= self.config.rack_grace_s)
+        cross_ok = self._cross_ok(cols, now)
         for pid, p in ready:
             if len(out) >= free:
                 break

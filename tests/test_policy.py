@@ -193,3 +193,25 @@ def test_invariants_under_random_events(events):
         usable = [ps.bits for ps in p.peers.values() if ps.alive and not ps.quarantined]
         assert p.avail.tolist() == (np.sum(usable, axis=0) if usable else np.zeros(n)).tolist()
         assert p.missing == n - int(p.have.sum())
+
+
+def test_ranking_stays_inside_the_window_of_lowest_missing_chunks():
+    p = pol(20, config=PolicyConfig(random_first=0, max_inflight=20, max_per_peer=20, window=5))
+    p.peer_bitmap("a", np.ones(20, bool), 0)
+    p.peer_bitmap("b", bits(20, range(10, 20)), 0)      # chunks 0-9 are rarer (one holder)
+    reqs = p.next_requests(0)
+    assert {r.chunk for r in reqs} == set(range(5))       # but only the lowest five are in the window
+    for r in reqs:
+        if r.chunk in (0, 1):
+            p.chunk_done(r.chunk, r.source, 1, 0.1, 0.1)
+    assert {r.chunk for r in p.next_requests(0.2)} == {5, 6}  # the window slides as the lowest arrive
+
+
+def test_idle_peers_are_asked_for_their_rarest_chunk_when_the_plan_is_blocked():
+    p = pol(6, config=PolicyConfig(random_first=0, max_inflight=4, max_per_peer=1))
+    p.peer_bitmap("a", bits(6, [0, 1, 2]), 0)              # a holds the rarest chunks, one request at a time
+    p.peer_bitmap("b", bits(6, [1, 2, 3, 4, 5]), 0)
+    p.peer_bitmap("c", bits(6, [1, 2, 3, 4, 5]), 0)
+    reqs = p.next_requests(0)
+    assert len(reqs) == 3 and {r.source for r in reqs} == {"a", "b", "c"}   # every peer busy, none idle
+    assert Request(0, "a") in reqs                                         # the rarest from its only holder

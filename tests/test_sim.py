@@ -1,4 +1,6 @@
-"""The simulator drives the real policy over a slotted link model."""
+"""The simulator runs the policy's batched rules over a fluid link model (deterministic, seeded)."""
+import pytest
+
 from bench.sim import SimConfig, analytic_baselines, simulate
 
 
@@ -9,11 +11,33 @@ def test_brief_baselines():
     assert round(b["binary_tree_s"] / 60) == 75             # ~75 min
 
 
-def test_small_swarm_with_failures_completes_with_one_origin_copy():
-    cfg = SimConfig(hosts=40, size=40 * 64 * 2**20, racks=4, fail_fraction=0.1, seeders=4, have_interval=0.25)
-    r = simulate(cfg)
-    assert r["survivors"] == 36 and r["died"] == 4
-    assert r["origin_copies"] <= 1.1
-    assert r["max_s"] >= r["lower_bound_s"]
+@pytest.fixture(scope="module")
+def mid_run():
+    cfg = SimConfig(hosts=64, size=400 * 64 * 2**20, racks=4, seeders=8, fail_fraction=0.1)
+    return cfg, simulate(cfg)
+
+
+def test_swarm_with_failures_finishes_near_the_bound_with_one_origin_copy(mid_run):
+    cfg, r = mid_run
+    assert r["survivors"] == 58 and r["died"] == 6
+    assert r["origin_copies"] <= 1.05
+    assert r["lower_bound_s"] <= r["p50_s"] <= r["max_s"]
+    # 400 chunks is short enough that the pipeline's fill and drain show (~10 %); the ratio falls
+    # towards 1 with more chunks (README: 1,000 hosts x 5,961 chunks -> 1.04)
+    assert r["ratio"] < 1.25
+    assert 0.8 < r["mean_download_utilisation"] <= 1.0
     assert r["naive_over_swarm"] > 1 and r["tree_over_swarm"] > 1
-    assert simulate(cfg)["max_s"] == r["max_s"]             # seeded: reproducible
+    assert r["cross_rack_copies_per_chunk"] >= cfg.racks - 1   # every other rack imports each chunk
+
+
+def test_reproducible(mid_run):
+    cfg, r = mid_run
+    again = simulate(cfg)
+    assert (again["max_s"], again["transfers"]) == (r["max_s"], r["transfers"])
+
+
+def test_seeders_dying_mid_origin_read_hand_their_stripes_on():
+    # every host is a seeder and a quarter die: their unfinished origin reads must be read again
+    r = simulate(SimConfig(hosts=24, size=60 * 64 * 2**20, racks=2, seeders=24, fail_fraction=0.25))
+    assert r["survivors"] == 18
+    assert 1.0 <= r["origin_copies"] <= 1.3

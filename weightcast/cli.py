@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+from bench.sim import SimConfig
 from peerd import manifest as mf
 from peerd.signing import KeyError_, generate_keypair, load_private_key, load_public_key
 from peerd.units import parse_rate, parse_size
@@ -77,10 +78,11 @@ def cmd_manifest_verify(a) -> int:
 
 
 def cmd_sim(a) -> int:
-    from bench.sim import SimConfig, simulate
+    from bench.sim import simulate
     cfg = SimConfig(hosts=a.hosts, size=a.size, chunk=a.chunk, rate=a.rate, racks=a.racks,
                     oversubscription=a.oversubscription, fail_fraction=a.fail, neighbors=a.neighbors,
-                    seeders=a.seeders, seed=a.seed)
+                    seeders=a.seeders, max_inflight=a.max_inflight, upload_slots=a.upload_slots,
+                    window=a.window, rack_grace_s=a.rack_grace, seed=a.seed)
     bar = Progress("sim")
     res = simulate(cfg, progress=lambda now, lower, done, n: bar(now, min(now, lower), lower))
     bar.close()
@@ -306,17 +308,22 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--dir", type=Path, help="also re-hash the files in this directory")
     v.set_defaults(fn=cmd_manifest_verify)
 
-    s = sub.add_parser("sim", help="simulate the swarm at fleet scale (same policy as peerd)")
-    s.add_argument("--hosts", type=int, default=1000)
+    s = sub.add_parser("sim", help="simulate the swarm at fleet scale (the policy's rules, batched)")
+    sd = SimConfig()
+    s.add_argument("--hosts", type=int, default=sd.hosts)
     s.add_argument("--size", type=parse_size, default=parse_size("400GB"))
     s.add_argument("--chunk", type=parse_size, default=parse_size("64M"))
     s.add_argument("--rate", type=parse_rate, default=parse_rate("10Gbit"))
-    s.add_argument("--racks", type=int, default=20)
-    s.add_argument("--oversubscription", type=float, default=1.0)
-    s.add_argument("--fail", type=float, default=0.05, help="fraction of hosts that die mid-run")
-    s.add_argument("--neighbors", type=int, default=12)
-    s.add_argument("--seeders", type=int, default=16)
-    s.add_argument("--seed", type=int, default=1)
+    s.add_argument("--racks", type=int, default=sd.racks)
+    s.add_argument("--oversubscription", type=float, default=sd.oversubscription)
+    s.add_argument("--fail", type=float, default=sd.fail_fraction, help="fraction of hosts that die mid-run")
+    s.add_argument("--neighbors", type=int, default=sd.neighbors)
+    s.add_argument("--seeders", type=int, default=sd.seeders)
+    s.add_argument("--max-inflight", type=int, default=sd.max_inflight, help="peer downloads per host")
+    s.add_argument("--upload-slots", type=int, default=sd.upload_slots, help="concurrent uploads per host")
+    s.add_argument("--window", type=int, default=sd.window, help="chunks ranked per host")
+    s.add_argument("--rack-grace", type=float, default=sd.rack_grace_s, help="seconds before any host pulls across racks")
+    s.add_argument("--seed", type=int, default=sd.seed)
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_sim)
 

@@ -1,0 +1,74 @@
+"""The batched decision rules (one row per deciding host) and the fluid link model."""
+import numpy as np
+
+from bench.links import max_min_rates
+from peerd.choice import rank_window, source_scores, tiebreak_params
+
+
+def rows(*xs):
+    return np.array(xs[0] if len(xs) == 1 else xs)
+
+
+def test_rarest_first_skips_held_asked_and_unavailable_chunks():
+    cols = np.arange(6)[None, :]
+    have = rows([1, 0, 0, 0, 0, 0]).astype(bool)
+    pend = rows([0, 1, 0, 0, 0, 0]).astype(bool)
+    holders = rows([1, 1, 3, 0, 2, 1])
+    table, off = tiebreak_params(np.random.default_rng(0), 1)
+    cand, ok = rank_window(have, pend, holders, cols, table, off, 4)
+    got = cand[0][ok[0]].tolist()
+    assert got[0] == 5 and got[1:] == [4, 2]        # 1 holder, then 2, then 3; 0, 1, 3 excluded
+    one, ok1 = rank_window(have, pend, holders, cols, table, off, 1)
+    assert ok1[0, 0] and one[0, 0] == got[0]         # the k=1 shortcut agrees
+
+
+def test_equally_rare_chunks_are_picked_at_random_and_differently_per_host():
+    n = 64
+    cols = np.tile(np.arange(n), (200, 1))
+    table, off = tiebreak_params(np.random.default_rng(1), 200)
+    cand, ok = rank_window(np.zeros((200, n), bool), np.zeros((200, n), bool), np.ones((200, n), int), cols,
+                           table, off, 1)
+    assert ok.all() and len(set(cand[:, 0].tolist())) > 40   # 200 hosts do not herd on one chunk
+    again, _ = rank_window(np.zeros((200, n), bool), np.zeros((200, n), bool), np.ones((200, n), int), cols,
+                           table, off, 1)
+    assert (again == cand).all()                              # and the order is reproducible
+
+
+def test_no_wanted_chunk_is_reported_invalid():
+    cols = np.arange(3)[None, :]
+    table, off = tiebreak_params(np.random.default_rng(0), 1)
+    _, ok = rank_window(np.ones((1, 3), bool), np.zeros((1, 3), bool), np.ones((1, 3), int), cols, table, off, 2)
+    assert not ok.any()
+
+
+def test_source_prefers_own_rack_then_fewer_requests_then_speed():
+    rng = np.random.default_rng(0)
+    holds = rows([True, True, True, False])[None, :]
+    same = rows([False, True, True, True])[None, :]
+    mine = rows([0, 2, 0, 0])[None, :]
+    assert np.argmax(source_scores(holds, same, mine, rng)) == 2          # same rack, idle
+    holds2 = rows([True, True, False, False])[None, :]
+    assert np.argmax(source_scores(holds2, same, mine, rng)) == 1         # same rack beats idle remote
+    s = source_scores(rows([True, True])[None, :], rows([True, True])[None, :], rows([0, 0])[None, :], rng,
+                      rows([0.0, 0.9])[None, :])
+    assert np.argmax(s) == 1                                                # then the faster
+    assert np.isinf(source_scores(holds, same, mine, rng)[0, 3])           # a non-holder never
+
+
+def test_max_min_rates_share_links_fairly_and_fill_them():
+    # one uploader, two downloaders: half each
+    r = max_min_rates(np.array([0, 0]), np.array([0, 1]), np.ones(1), np.ones(2))
+    assert np.allclose(r, [0.5, 0.5])
+    # uploader 0 serves downloaders 0 and 1; uploader 1 serves downloader 1 only:
+    # downloader 1 is shared, so flows 0->1 and 1->1 get 1/2 and 0->0 takes the rest of uploader 0
+    r = max_min_rates(np.array([0, 0, 1]), np.array([0, 1, 1]), np.ones(2), np.ones(2))
+    assert np.allclose(r, [0.5, 0.5, 0.5])
+    # a busy uploader (3 flows) and a free one: the downloader fed by both fills up from the free one
+    r = max_min_rates(np.array([0, 0, 0, 1]), np.array([0, 1, 2, 2]), np.ones(2), np.ones(3))
+    assert np.allclose(r[:3], 1 / 3) and np.isclose(r[3], 2 / 3)
+    # never over a capacity
+    rng = np.random.default_rng(3)
+    src, dst = rng.integers(0, 50, 2000), rng.integers(0, 50, 2000)
+    r = max_min_rates(src, dst, np.ones(50), np.ones(50))
+    assert (np.bincount(src, r, 50) <= 1 + 1e-9).all() and (np.bincount(dst, r, 50) <= 1 + 1e-9).all()
+    assert np.bincount(dst, r, 50).mean() > 0.9                            # and nearly full
