@@ -43,6 +43,7 @@ class SimConfig:
     oversubscription: float = 1.0
     fail_fraction: float = 0.05
     neighbors: int = 16
+    cross_rack_neighbors: int = 2         # of those, in other racks (peerd: max_cross_rack_peers)
     seeders: int = 16
     have_interval: float = 0.1
     detect_s: float = 3.0
@@ -70,7 +71,7 @@ def analytic_baselines(hosts: int, size: float, rate: float, origin_rate: float)
 
 def _neighbour_graph(cfg: SimConfig, rnd: random.Random, by_rack: dict[int, list[int]]) -> np.ndarray:
     """A near-regular random graph as an (N, k) array padded with N (a host that holds nothing):
-    every host has about ``neighbors`` peers, two thirds of them in its own rack."""
+    every host has about ``neighbors`` peers, ``cross_rack_neighbors`` of them in other racks."""
     N, k = cfg.hosts, min(cfg.neighbors, cfg.hosts - 1)
     nbrs: list[set[int]] = [set() for _ in range(N)]
 
@@ -81,7 +82,7 @@ def _neighbour_graph(cfg: SimConfig, rnd: random.Random, by_rack: dict[int, list
                 nbrs[a].add(b)
                 nbrs[b].add(a)
 
-    local = (2 * k) // 3 if cfg.racks > 1 else k
+    local = max(k - cfg.cross_rack_neighbors, 0) if cfg.racks > 1 else k
     for members in by_rack.values():
         pair([h for h in members for _ in range(min(local, len(members) - 1))])
     pair([h for h in range(N) for _ in range(k - local)])

@@ -38,6 +38,7 @@ class PolicyConfig:
     busy_backoff_s: float = 0.05   # a peer at its upload limit is retried soon
     max_errors: int = 3            # consecutive errors before a peer is declared dead
     rack_grace_s: float = 2.0      # a non-designated host waits this long before pulling cross-rack
+    max_cross_rack_peers: int = 4  # peers in other racks tracked at once: most traffic stays in the rack
     plan_size: int = 64            # chunks ranked per re-plan
     window: int = 1024             # ranked among the lowest missing chunks: a bounded spread of
                                    # half-done work, and the same rule the simulator runs at scale
@@ -122,10 +123,16 @@ class SwarmPolicy:
         self._dirty = True
 
     # ------------------------------------------------------------ events
-    def peer_bitmap(self, peer: str, bits, now: float, rack: str | None = None) -> None:
-        """A peer's full bitmap (gossip). Adds or revives the peer."""
+    def peer_bitmap(self, peer: str, bits, now: float, rack: str | None = None) -> bool:
+        """A peer's full bitmap (gossip). Adds or revives the peer; returns False for a new peer in
+        another rack while ``max_cross_rack_peers`` live ones are tracked already (rack-aware peer
+        set: with few remote peers, most bytes stay inside the rack)."""
         bits = np.asarray(bits, bool)
         p = self.peers.get(peer)
+        if p is None and self._remote(rack) and sum(
+                1 for q in self.peers.values()
+                if self._remote(q.rack) and q.alive and not q.quarantined) >= self.config.max_cross_rack_peers:
+            return False
         if p is None:
             p = self.peers[peer] = PeerState(rack=rack if rack is not None else "", bits=np.zeros(self.n_chunks, bool))
             self._peer_list.append((peer, p))
@@ -144,6 +151,10 @@ class SwarmPolicy:
             self._note_seen(gained, now)
         p.bits = bits.copy()
         self._dirty = True
+        return True
+
+    def _remote(self, rack: str | None) -> bool:
+        return bool(self.rack) and bool(rack) and rack != self.rack
 
     def peer_has(self, peer: str, chunks, now: float) -> None:
         """Incremental announcement of chunks a known peer now holds."""

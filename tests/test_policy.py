@@ -215,3 +215,15 @@ def test_idle_peers_are_asked_for_their_rarest_chunk_when_the_plan_is_blocked():
     reqs = p.next_requests(0)
     assert len(reqs) == 3 and {r.source for r in reqs} == {"a", "b", "c"}   # every peer busy, none idle
     assert Request(0, "a") in reqs                                         # the rarest from its only holder
+
+
+def test_peer_set_keeps_few_peers_from_other_racks():
+    p = pol(4, rack="r1", config=PolicyConfig(max_cross_rack_peers=2))
+    assert p.peer_bitmap("far1", np.ones(4, bool), 0, rack="r2")
+    assert p.peer_bitmap("far2", np.ones(4, bool), 0, rack="r3")
+    assert not p.peer_bitmap("far3", np.ones(4, bool), 0, rack="r2")   # a third remote peer is not tracked
+    assert "far3" not in p.peers and p.avail.tolist() == [2, 2, 2, 2]
+    assert p.peer_bitmap("near", np.ones(4, bool), 0, rack="r1")       # own-rack peers are not capped
+    p.peer_dead("far1")
+    assert p.peer_bitmap("far3", np.ones(4, bool), 1, rack="r2")       # a dead one's place is free again
+    assert p.peer_bitmap("far1", np.ones(4, bool), 2, rack="r2")       # and a known peer may come back

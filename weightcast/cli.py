@@ -81,6 +81,7 @@ def cmd_sim(a) -> int:
     from bench.sim import simulate
     cfg = SimConfig(hosts=a.hosts, size=a.size, chunk=a.chunk, rate=a.rate, racks=a.racks,
                     oversubscription=a.oversubscription, fail_fraction=a.fail, neighbors=a.neighbors,
+                    cross_rack_neighbors=a.cross_rack_neighbors,
                     seeders=a.seeders, max_inflight=a.max_inflight, upload_slots=a.upload_slots,
                     window=a.window, rack_grace_s=a.rack_grace, seed=a.seed)
     bar = Progress("sim")
@@ -318,6 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--oversubscription", type=float, default=sd.oversubscription)
     s.add_argument("--fail", type=float, default=sd.fail_fraction, help="fraction of hosts that die mid-run")
     s.add_argument("--neighbors", type=int, default=sd.neighbors)
+    s.add_argument("--cross-rack-neighbors", type=int, default=sd.cross_rack_neighbors,
+                   help="of the neighbours, how many in other racks")
     s.add_argument("--seeders", type=int, default=sd.seeders)
     s.add_argument("--max-inflight", type=int, default=sd.max_inflight, help="peer downloads per host")
     s.add_argument("--upload-slots", type=int, default=sd.upload_slots, help="concurrent uploads per host")
