@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from bench.links import max_min_rates, scale_to_caps
-from peerd.choice import rank_window, source_scores, tiebreak_params
+from peerd.choice import origin_order, rank_window, source_scores, tiebreak_params
 
 
 @dataclass
@@ -45,6 +45,7 @@ class SimConfig:
     neighbors: int = 16
     cross_rack_neighbors: int = 2         # of those, in other racks (peerd: max_cross_rack_peers)
     seeders: int = 16
+    origin_spread: int = 4                # a seeder's next origin read: one of the first few of its stripe
     have_interval: float = 0.1
     detect_s: float = 3.0
     max_inflight: int = 8                 # peer downloads per host
@@ -222,7 +223,7 @@ def simulate(cfg: SimConfig, progress=None) -> dict:
             stripe = need[need % len(live) == np.searchsorted(live, s)]
             stripe = stripe[~have[s, stripe] & ~pend[s, stripe]]
             if len(stripe):
-                c = int(stripe[0])
+                c = int(origin_order(stripe, len(live), cfg.origin_spread, tb_a, tb_b, s)[0])
                 fl.src[s, D], fl.chunk[s, D], fl.left[s, D] = ORG, c, 1.0
                 origin_pend[c] = True
                 pend[s, c] = True

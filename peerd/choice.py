@@ -24,6 +24,17 @@ def rarity_key(holders: np.ndarray, cols: np.ndarray, table: np.ndarray, offset:
     return holders.astype(np.int32) * _T + table[(cols + offset[:, None]) & (_T - 1)]
 
 
+def origin_order(stripe: np.ndarray, stride: int, spread: int, table: np.ndarray, offset: np.ndarray,
+                 row: int) -> np.ndarray:
+    """A seeder's next origin reads, best first: its remaining stripe (chunk ids ``stride`` apart)
+    in blocks of ``spread`` stripe positions, block by block, in the row's random order inside a
+    block. The fleet works through the file nearly in order (no chunk waits more than a block),
+    and two seeders that briefly disagree on who owns a stripe rarely read the same chunk."""
+    block = (stripe // max(stride, 1)) // max(spread, 1)
+    key = block.astype(np.int64) * _T + table[(stripe + offset[row]) & (_T - 1)]
+    return stripe[np.argsort(key, kind="stable")]
+
+
 def rank_window(have: np.ndarray, pending: np.ndarray, holders: np.ndarray, cols: np.ndarray,
                 table: np.ndarray, offset: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """Rarest first: for each row, the ``k`` wanted chunks held by the fewest known peers (random

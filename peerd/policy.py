@@ -18,7 +18,7 @@ from statistics import median
 
 import numpy as np
 
-from peerd.choice import rank_window, source_scores, tiebreak_params
+from peerd.choice import origin_order, rank_window, source_scores, tiebreak_params
 
 ORIGIN = "<origin>"
 
@@ -28,6 +28,7 @@ class PolicyConfig:
     max_inflight: int = 8          # requests in flight per host
     max_per_peer: int = 2          # requests in flight to any one peer
     origin_inflight: int = 1       # concurrent origin reads per host (one at a time: the first chunk lands soonest)
+    origin_spread: int = 4         # the next origin read is one of this many at the front of the stripe
     random_first: int = 2          # first chunks picked at random (something to trade early)
     endgame_chunks: int = 4        # duplicate requests once this few chunks are missing
     endgame_dups: int = 2          # sources per chunk in endgame
@@ -352,12 +353,15 @@ class SwarmPolicy:
         return self.import_mask[chunks] | (now - self.first_seen[chunks] >= self.config.rack_grace_s)
 
     def _origin_chunks(self, now: float) -> list[int]:
-        """The next chunks of this host's origin stripe that no live peer holds, in order."""
+        """The next chunks of this host's origin stripe that no live peer holds: near the front of
+        the stripe (the fleet works through the file in order) but in random order among the first
+        few, so that two seeders briefly disagreeing on who owns a stripe rarely read the same chunk."""
         free = self.config.origin_inflight - self.origin_active
         if free <= 0 or now < self.origin_backoff_until:
             return []
         cand = np.flatnonzero(self.origin_mask & (self.avail == 0) & ~self.have & ~self.inflight_mask)
-        return cand[:free].tolist()
+        stride = len(self._live(self.seeders))
+        return origin_order(cand, stride, self.config.origin_spread, *self._tb, 0)[:free].tolist()
 
     def _choose_source(self, c: int, ready: list, cross_ok: bool) -> str | None:
         same = np.array([p.rack == self.rack for _, p in ready])
