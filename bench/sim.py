@@ -43,7 +43,7 @@ class SimConfig:
     oversubscription: float = 1.0
     fail_fraction: float = 0.05
     neighbors: int = 16
-    cross_rack_neighbors: int = 2         # of those, in other racks (peerd: max_cross_rack_peers)
+    cross_rack_neighbors: int = 6         # of those, in other racks (peerd: max_cross_rack_peers); 2 on oversubscribed racks
     seeders: int = 16
     origin_spread: int = 4                # a seeder's next origin read: one of the first few of its stripe
     have_interval: float = 0.1

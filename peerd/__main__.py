@@ -12,6 +12,7 @@ from pathlib import Path
 from peerd.config import PeerdConfig
 from peerd.daemon import Daemon
 from peerd.logging_setup import setup
+from peerd.policy import PolicyConfig
 from peerd.units import parse_rate
 
 
@@ -45,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--download-rate", type=rate, default=None, help="bytes/s (default unlimited)")
     ap.add_argument("--origin-rate", type=rate, default=None, help="bytes/s of origin reads (default unlimited)")
     ap.add_argument("--max-uploads", type=int, default=16, help="concurrent chunk uploads before 503 busy")
+    ap.add_argument("--max-cross-rack-peers", type=int, default=PolicyConfig().max_cross_rack_peers,
+                    help="peers in other racks a download tracks at once (lower on oversubscribed racks)")
     ap.add_argument("--gossip-interval", type=float, default=1.0)
     ap.add_argument("--have-interval", type=float, default=0.1)
     ap.add_argument("--dead-after", type=float, default=5.0)
@@ -61,7 +64,8 @@ def config_from_args(a) -> PeerdConfig:
                        upload_rate=a.upload_rate, download_rate=a.download_rate, origin_rate=a.origin_rate,
                        gossip_interval=a.gossip_interval, have_interval=a.have_interval, dead_after=a.dead_after,
                        reserve_bytes=a.reserve_bytes, ready_file=a.ready_file, max_uploads=a.max_uploads,
-                       fault_corrupt_uploads=a.fault_corrupt_uploads)
+                       fault_corrupt_uploads=a.fault_corrupt_uploads,
+                       policy=PolicyConfig(max_cross_rack_peers=a.max_cross_rack_peers))
 
 
 async def serve(cfg: PeerdConfig) -> None:

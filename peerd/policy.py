@@ -39,7 +39,7 @@ class PolicyConfig:
     busy_backoff_s: float = 0.05   # a peer at its upload limit is retried soon
     max_errors: int = 3            # consecutive errors before a peer is declared dead
     rack_grace_s: float = 2.0      # a non-designated host waits this long before pulling cross-rack
-    max_cross_rack_peers: int = 4  # peers in other racks tracked at once: most traffic stays in the rack
+    max_cross_rack_peers: int = 12  # peers in other racks tracked at once; lower it (4) on oversubscribed racks
     plan_size: int = 64            # chunks ranked per re-plan
     window: int = 1024             # ranked among the lowest missing chunks: a bounded spread of
                                    # half-done work, and the same rule the simulator runs at scale
