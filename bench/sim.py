@@ -45,7 +45,8 @@ class SimConfig:
     neighbors: int = 16
     cross_rack_neighbors: int = 6         # of those, in other racks (peerd: max_cross_rack_peers); 2 on oversubscribed racks
     seeders: int = 16
-    origin_spread: int = 4                # a seeder's next origin read: one of the first few of its stripe
+    origin_spread: int = 1                # stripe positions per origin block (peerd: 4); in order here because
+                                          # the sim's 128-chunk window needs it at 10,000 hosts (docs/peerd.md)
     have_interval: float = 0.1
     detect_s: float = 3.0
     max_inflight: int = 8                 # peer downloads per host
