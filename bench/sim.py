@@ -274,15 +274,14 @@ def simulate(cfg: SimConfig, progress=None) -> dict:
             cols = lo[stale][:, None] + ar_w
             flat = stale[:, None] * (C + W) + cols      # one flat gather per matrix (rows < N line up)
             plan[stale], plan_ok[stale] = rank_window(
-                np.take(have_flat, flat), np.take(pend.ravel(), flat), np.take(nb_cnt.ravel(), flat),
+                ~np.take(have_flat, flat) & ~np.take(pend.ravel(), flat), np.take(nb_cnt.ravel(), flat),
                 cols, tb_a, tb_b[stale], cfg.candidates)
             plan_ptr[stale] = 0
         for _ in range(cfg.request_rounds):
-            rows = hosts[(n_down[hosts] < D) & (plan_ptr[hosts] < cfg.candidates)]
-            rows = rows[plan_ok[rows, plan_ptr[rows]]]
-            if len(rows) == 0:
+            h = hosts[(n_down[hosts] < D) & (plan_ptr[hosts] < cfg.candidates)]
+            h = h[plan_ok[h, plan_ptr[h]]]
+            if len(h) == 0:
                 break
-            h = rows
             c = plan[h, plan_ptr[h]]
             gone = pend[h, c] | have[h, c]
             plan_ptr[h[gone]] += 1
@@ -309,8 +308,7 @@ def simulate(cfg: SimConfig, progress=None) -> dict:
             far = ~same_rack[h, k]
             if far.any():
                 want[far] &= cross_ok(h[far], cols[far], now)
-            cand, ok = rank_window(~want, np.zeros_like(want), np.maximum(np.take(nb_cnt.ravel(), fh), 1),
-                                   cols, tb_a, tb_b[h], 1)
+            cand, ok = rank_window(want, np.maximum(np.take(nb_cnt.ravel(), fh), 1), cols, tb_a, tb_b[h], 1)
             ok = ok[:, 0]
             if not ok.any():
                 break
@@ -320,7 +318,7 @@ def simulate(cfg: SimConfig, progress=None) -> dict:
         now = step * dt
         while deaths and deaths[0][0] <= now:
             _, h = deaths.pop(0)
-            flush_gossip()
+            flush_gossip()                         # what it announced went out before it died
             alive[h] = False
             remaining -= 1
             if fl.src[h, D] == ORG:                # its origin read is lost: another seeder takes it
@@ -339,6 +337,7 @@ def simulate(cfg: SimConfig, progress=None) -> dict:
         assign_origin(now)
         assign_peers(now, gossiped)
         gossiped = False
+        carry[:] = 0                               # a share not taken up by a new request is lost
 
         # fluid step
         hs, ks = np.nonzero(fl.src >= 0)
@@ -367,7 +366,6 @@ def simulate(cfg: SimConfig, progress=None) -> dict:
                 over = -fl.left[fh, fk]
                 t_end = now + dt * (1 - over / np.maximum(moved[fin], 1e-12))
                 peer = fk < D
-                carry[:] = 0
                 np.add.at(carry, fh[peer], np.minimum(over[peer], moved[fin][peer]))
                 end_flows(fh, fk)
                 first = np.isinf(born[fc])

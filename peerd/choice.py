@@ -35,24 +35,22 @@ def origin_order(stripe: np.ndarray, stride: int, spread: int, table: np.ndarray
     return stripe[np.argsort(key, kind="stable")]
 
 
-def rank_window(have: np.ndarray, pending: np.ndarray, holders: np.ndarray, cols: np.ndarray,
-                table: np.ndarray, offset: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+def rank_window(want: np.ndarray, holders: np.ndarray, cols: np.ndarray, table: np.ndarray,
+                offset: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """Rarest first: for each row, the ``k`` wanted chunks held by the fewest known peers (random
     order among equals), best first.
 
-    All inputs are (rows, window) over the chunk ids in ``cols``: whether the host has the chunk,
-    has asked for it, and how many usable peers hold it. A chunk is wanted when the host lacks it,
-    has not asked for it and some peer holds it. Returns (chunk ids, valid) of shape (rows, k)."""
-    want = ~have & ~pending & (holders > 0)
-    key = np.where(want, rarity_key(holders, cols, table, offset), _NONE)
+    Inputs are (rows, window) over the chunk ids in ``cols``: whether the host wants the chunk (lacks
+    it and has not asked for it) and how many usable peers hold it; a chunk nobody holds is never
+    ranked. Returns (chunk ids, valid) of shape (rows, min(k, window))."""
+    key = np.where(want & (holders > 0), rarity_key(holders, cols, table, offset), _NONE)
     k = min(k, key.shape[1])
     if k == 1:
         idx = np.argmin(key, axis=1)[:, None]
-        return np.take_along_axis(cols, idx, axis=1), np.take_along_axis(key, idx, axis=1) != _NONE
-    part = np.argpartition(key, k - 1, axis=1)[:, :k] if k < key.shape[1] else np.broadcast_to(
-        np.arange(key.shape[1]), key.shape).copy()
-    order = np.argsort(np.take_along_axis(key, part, axis=1), axis=1, kind="stable")
-    idx = np.take_along_axis(part, order, axis=1)
+    else:
+        part = np.argpartition(key, k - 1, axis=1)[:, :k]
+        idx = np.take_along_axis(part, np.argsort(np.take_along_axis(key, part, axis=1), axis=1, kind="stable"),
+                                 axis=1)
     return np.take_along_axis(cols, idx, axis=1), np.take_along_axis(key, idx, axis=1) != _NONE
 
 
@@ -60,8 +58,9 @@ def source_scores(holds: np.ndarray, same_rack: np.ndarray, mine_inflight: np.nd
                   rng: np.random.Generator, rate_rank: np.ndarray | None = None) -> np.ndarray:
     """Score each candidate peer of each row (higher is better; -inf = cannot serve): a peer in the
     host's own rack first, then the one this host has fewest requests in flight to, then the faster
-    (``rate_rank`` in [0, 1)), then at random."""
-    score = same_rack * 64.0 - mine_inflight * 4.0 + rng.random(holds.shape)
+    (``rate_rank`` in [0, 1)), then at random. The weights keep that order strict for any per-peer
+    cap below a million."""
+    score = same_rack * 4e6 - mine_inflight * 4.0 + rng.random(holds.shape)
     if rate_rank is not None:
         score += 2.0 * rate_rank
     return np.where(holds, score, -np.inf)

@@ -28,7 +28,7 @@ class PolicyConfig:
     max_inflight: int = 8          # requests in flight per host
     max_per_peer: int = 2          # requests in flight to any one peer
     origin_inflight: int = 1       # concurrent origin reads per host (one at a time: the first chunk lands soonest)
-    origin_spread: int = 4         # the next origin read is one of this many at the front of the stripe
+    origin_spread: int = 4         # origin reads go block by block, this many stripe positions a block
     random_first: int = 2          # first chunks picked at random (something to trade early)
     endgame_chunks: int = 4        # duplicate requests once this few chunks are missing
     endgame_dups: int = 2          # sources per chunk in endgame
@@ -343,7 +343,7 @@ class SwarmPolicy:
         holders = self.avail[cols]
         if n - self.missing < self.config.random_first:
             holders = np.minimum(holders, 1)                # random order: something to trade early
-        cand, ok = rank_window(self.have[cols], self.inflight_mask[cols], holders, cols, *self._tb,
+        cand, ok = rank_window(~self.have[cols] & ~self.inflight_mask[cols], holders, cols, *self._tb,
                                self.config.plan_size)
         self._plan = cand[0][ok[0]]
 
@@ -384,7 +384,7 @@ class SwarmPolicy:
             if len(out) >= free:
                 break
             offered = p.bits[cols] & (cross_ok if p.rack != self.rack else True)
-            cand, ok = rank_window(~offered | self.have[cols], self.inflight_mask[cols],
+            cand, ok = rank_window(offered & ~self.have[cols] & ~self.inflight_mask[cols],
                                    np.maximum(self.avail[cols], 1), cols, *self._tb, 1)
             if ok[0, 0]:
                 c = int(cand[0, 0])

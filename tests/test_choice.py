@@ -15,10 +15,10 @@ def test_rarest_first_skips_held_asked_and_unavailable_chunks():
     pend = rows([0, 1, 0, 0, 0, 0]).astype(bool)
     holders = rows([1, 1, 3, 0, 2, 1])
     table, off = tiebreak_params(np.random.default_rng(0), 1)
-    cand, ok = rank_window(have, pend, holders, cols, table, off, 4)
+    cand, ok = rank_window(~have & ~pend, holders, cols, table, off, 4)
     got = cand[0][ok[0]].tolist()
     assert got[0] == 5 and got[1:] == [4, 2]        # 1 holder, then 2, then 3; 0, 1, 3 excluded
-    one, ok1 = rank_window(have, pend, holders, cols, table, off, 1)
+    one, ok1 = rank_window(~have & ~pend, holders, cols, table, off, 1)
     assert ok1[0, 0] and one[0, 0] == got[0]         # the k=1 shortcut agrees
 
 
@@ -26,19 +26,19 @@ def test_equally_rare_chunks_are_picked_at_random_and_differently_per_host():
     n = 64
     cols = np.tile(np.arange(n), (200, 1))
     table, off = tiebreak_params(np.random.default_rng(1), 200)
-    cand, ok = rank_window(np.zeros((200, n), bool), np.zeros((200, n), bool), np.ones((200, n), int), cols,
-                           table, off, 1)
+    cand, ok = rank_window(np.ones((200, n), bool), np.ones((200, n), int), cols, table, off, 1)
     assert ok.all() and len(set(cand[:, 0].tolist())) > 40   # 200 hosts do not herd on one chunk
-    again, _ = rank_window(np.zeros((200, n), bool), np.zeros((200, n), bool), np.ones((200, n), int), cols,
-                           table, off, 1)
+    again, _ = rank_window(np.ones((200, n), bool), np.ones((200, n), int), cols, table, off, 1)
     assert (again == cand).all()                              # and the order is reproducible
 
 
 def test_no_wanted_chunk_is_reported_invalid():
     cols = np.arange(3)[None, :]
     table, off = tiebreak_params(np.random.default_rng(0), 1)
-    _, ok = rank_window(np.ones((1, 3), bool), np.zeros((1, 3), bool), np.ones((1, 3), int), cols, table, off, 2)
+    _, ok = rank_window(np.zeros((1, 3), bool), np.ones((1, 3), int), cols, table, off, 2)
     assert not ok.any()
+    full, okf = rank_window(np.ones((1, 3), bool), np.array([[2, 1, 3]]), cols, table, off, 3)
+    assert okf.all() and full[0].tolist() == [1, 0, 2]       # k = window: all of it, rarest first
 
 
 def test_source_prefers_own_rack_then_fewer_requests_then_speed():
@@ -53,6 +53,9 @@ def test_source_prefers_own_rack_then_fewer_requests_then_speed():
                       rows([0.0, 0.9])[None, :])
     assert np.argmax(s) == 1                                                # then the faster
     assert np.isinf(source_scores(holds, same, mine, rng)[0, 3])           # a non-holder never
+    busy_local = source_scores(rows([True, True])[None, :], rows([True, False])[None, :],
+                               rows([1000, 0])[None, :], rng)
+    assert np.argmax(busy_local) == 0                                       # rack first, even with a huge cap
 
 
 def test_max_min_rates_share_links_fairly_and_fill_them():
