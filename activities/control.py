@@ -8,13 +8,20 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from peerd import manifest as mf
+from peerd.manifest_fetch import fetch_from_origin
+from peerd.origin import OriginSpec, S3Origin
 from peerd.signing import load_public_key
-from workflows.types import ManifestInfo, TrafficInput
+from workflows.types import ManifestCheck, ManifestInfo, TrafficInput
+
+
+def _info(m: mf.Manifest) -> ManifestInfo:
+    return ManifestInfo(m.digest, m.model, m.version, m.total_size, len(m.chunks))
 
 
 class ControlActivities:
-    def __init__(self, trusted_keys: list[Path]):
+    def __init__(self, trusted_keys: list[Path], s3_credentials: tuple[str, str] | None = None):
         self.trusted = [load_public_key(p) for p in trusted_keys]
+        self.s3_credentials = s3_credentials or (None, None)   # None: the AWS_* variables
 
     @activity.defn(name="check_manifest")
     async def check_manifest(self, signed_manifest: str) -> ManifestInfo:
@@ -22,7 +29,18 @@ class ControlActivities:
             m = mf.load_signed(signed_manifest.encode(), self.trusted)
         except mf.ManifestError as e:
             raise ApplicationError(f"manifest refused: {e}", type="ManifestRefused", non_retryable=True) from None
-        return ManifestInfo(m.digest, m.model, m.version, m.total_size, len(m.chunks))
+        return _info(m)
+
+    @activity.defn(name="check_manifest_ref")
+    async def check_manifest_ref(self, inp: ManifestCheck) -> ManifestInfo:
+        """Fetch the signed manifest the rollout names and check its digest and signature."""
+        spec = OriginSpec(**{k: v for k, v in inp.origin.items() if k in ("endpoint", "bucket", "prefix", "region")})
+        async with S3Origin(spec, *self.s3_credentials) as origin:
+            try:
+                m, _ = await fetch_from_origin(origin, inp.ref.key, inp.ref.version_id, self.trusted)
+            except mf.ManifestError as e:
+                raise ApplicationError(f"manifest refused: {e}", type="ManifestRefused", non_retryable=True) from None
+        return _info(m)
 
     @activity.defn(name="set_traffic")
     async def set_traffic(self, inp: TrafficInput) -> dict:

@@ -3,6 +3,7 @@ a retry re-attaches to peerd's job, which resumes from its bitmap."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -31,11 +32,12 @@ class HostActivities:
 
     @activity.defn(name="distribute")
     async def distribute(self, inp: DistributeInput) -> DistributeResult:
-        doc = json.loads(inp.signed_manifest)
+        ref = dataclasses.asdict(inp.manifest) if inp.manifest is not None else None
+        doc = json.loads(inp.signed_manifest) if ref is None else None
         t0 = time.monotonic()
         async with PeerdClient(self.peerd_addr, self.token) as c:
             try:
-                st = await c.start_job(doc, inp.origin, inp.seeders)
+                st = await c.start_job(doc, inp.origin, inp.seeders, manifest_ref=ref)
             except PeerdError as e:
                 # a refused manifest or a full disk will not get better by retrying
                 raise ApplicationError(f"{self.host_id}: {e.message}", type=f"Peerd{e.status}",

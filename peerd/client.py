@@ -36,10 +36,19 @@ class PeerdClient:
                 raise PeerdError(r.status, body.get("error", str(body)) if isinstance(body, dict) else str(body))
             return body
 
-    async def start_job(self, signed_manifest: dict, origin: dict | None = None, seeders: list[str] = (),
-                        peers: list[dict] = ()) -> dict:
-        return await self._json("POST", "/v1/jobs", json={"manifest": signed_manifest, "origin": origin,
-                                                          "seeders": list(seeders), "peers": list(peers)})
+    async def start_job(self, signed_manifest: dict | None, origin: dict | None = None, seeders: list[str] = (),
+                        peers: list[dict] = (), manifest_ref: dict | None = None) -> dict:
+        """Start (or attach to) a version's download: the signed document inline, or ``manifest_ref``
+        {version_id, key} for peerd to fetch from the origin (the way to go past a few MB)."""
+        body = {"origin": origin, "seeders": list(seeders), "peers": list(peers)}
+        body.update({"manifest_ref": manifest_ref} if manifest_ref is not None else {"manifest": signed_manifest})
+        return await self._json("POST", "/v1/jobs", json=body)
+
+    async def manifest(self, vid: str) -> bytes:
+        async with self._session.get(f"{self.addr}/v1/versions/{vid}/manifest", headers=self.headers) as r:
+            if r.status != 200:
+                raise PeerdError(r.status, (await r.text())[:500])
+            return await r.read()
 
     async def job(self, vid: str) -> dict:
         return await self._json("GET", f"/v1/jobs/{vid}")

@@ -27,6 +27,7 @@ class PeerdConfig:
     have_interval: float = 0.1                  # bitmap pushes to active peers while downloading
     dead_after: float = 5.0                     # seconds without hearing from a peer → dead
     max_active_peers: int = 32                  # peers a job's policy tracks
+    max_members: int = 10_000                   # members this host remembers (gossip cannot grow it further)
     reserve_bytes: int = 0                      # free space to keep on the store volume
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     ready_file: Path | None = None

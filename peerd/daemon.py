@@ -14,7 +14,8 @@ from peerd.config import PeerdConfig
 from peerd.job import FetchJob
 from peerd.membership import Membership
 from peerd.metrics import PeerdMetrics
-from peerd.origin import OriginSpec, warm_session
+from peerd.manifest_fetch import fetch_from_origin, verify_named
+from peerd.origin import OriginError, OriginSpec, S3Origin, warm_session
 from peerd.ratelimit import TokenBucket
 from peerd.signing import load_public_key
 from peerd.store import ChunkStore
@@ -54,7 +55,7 @@ class Daemon:
         port = self.runner.addresses[0][1]
         self.addr = self.config.advertise or f"http://{self.config.listen_host}:{port}"
         me = {"id": self.config.host_id, "addr": self.addr, "rack": self.config.rack}
-        self.membership = Membership(me, self.config.dead_after)
+        self.membership = Membership(me, self.config.dead_after, max_members=self.config.max_members)
         for p in self.config.seed_peers:
             self.membership.learn(p)
         self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=3, sock_read=15),
@@ -89,23 +90,55 @@ class Daemon:
                 log.warning("not serving stored version %s: %s", vid[:12], e)
 
     # ---------------------------------------------------------------- jobs
-    def submit(self, body: dict) -> FetchJob:
-        """Start (or attach to) the download of a signed manifest. Idempotent per version."""
-        raw = json.dumps(body["manifest"]).encode()
-        m = mf.load_signed(raw, self.trusted)
+    async def submit(self, body: dict) -> FetchJob:
+        """Start (or attach to) the download of a signed manifest, given inline or by reference.
+        Idempotent per version."""
+        origin = OriginSpec(**{k: v for k, v in body["origin"].items() if k in ("endpoint", "bucket", "prefix", "region")}) \
+            if body["origin"] else None
+        ref = body.get("manifest_ref")
+        if ref is not None:
+            job = self.jobs.get(ref["version_id"])
+            if job is not None and job.state != "failed":
+                return job
+            m, raw = await self._fetch_manifest(ref, origin)
+        else:
+            raw = json.dumps(body["manifest"]).encode()
+            m = await asyncio.to_thread(mf.load_signed, raw, self.trusted)
         job = self.jobs.get(m.digest)
         if job is not None and job.state != "failed":
             return job
         for p in body["peers"]:
             self.membership.learn(p)
         vs = self.store.open_version(m, raw, self.config.reserve_bytes)
-        origin = OriginSpec(**{k: v for k, v in body["origin"].items() if k in ("endpoint", "bucket", "prefix", "region")}) \
-            if body["origin"] else None
         job = FetchJob(self, vs, origin, body["seeders"])
         self.jobs[m.digest] = job
         job.start()
         self.announce_soon()
         return job
+
+    async def _fetch_manifest(self, ref: dict, origin: OriginSpec) -> tuple[mf.Manifest, bytes]:
+        """From the origin; when it cannot be read, from a live peer that holds the version (the
+        digest and signature make any source as good as the origin)."""
+        vid, key = ref["version_id"], ref["key"]
+        stored = self.store.versions.get(vid)
+        if stored is not None:
+            return stored.manifest, (stored.root / "manifest.json").read_bytes()
+        try:
+            async with S3Origin(origin, session=self.s3_session) as o:
+                return await fetch_from_origin(o, key, vid, self.trusted)
+        except OriginError as e:
+            origin_error = e
+        for m in [m for m in self.membership.live() if vid in m.versions][:4]:
+            try:
+                async with self.http.get(f"{m.addr}/v1/versions/{vid}/manifest", headers=self.auth_headers(),
+                                         timeout=aiohttp.ClientTimeout(total=60)) as r:
+                    if r.status != 200:
+                        continue
+                    raw = await r.read()
+                return await verify_named(raw, vid, self.trusted, f"peer {m.id}"), raw
+            except (aiohttp.ClientError, asyncio.TimeoutError, mf.ManifestError) as e:
+                log.info("manifest from peer failed", extra={"peer": m.id, "error": str(e)})
+        raise OriginError(f"cannot fetch manifest {vid[:12]}… from the origin ({origin_error}) nor from a peer")
 
     def note_quarantine(self, peer_id: str, why: str) -> None:
         self.quarantined[peer_id] = why
@@ -126,6 +159,10 @@ class Daemon:
         member, _ = self.membership.heard_from(msg["from"], msg["versions"])
         for p in msg["peers"]:
             self.membership.learn(p)
+        if member is None:
+            log.warning("membership full; ignoring gossip from a new peer",
+                        extra={"peer": msg["from"]["id"], "max_members": self.config.max_members})
+            return
         if member.id in self.quarantined:
             return
         for vid, packed in msg["versions"].items():

@@ -12,7 +12,6 @@ import time
 from typing import TYPE_CHECKING
 
 import aiohttp
-import numpy as np
 
 from peerd.manifest import Manifest
 from peerd.origin import OriginError, OriginSpec, S3Origin
@@ -100,7 +99,8 @@ class FetchJob:
                 continue
             data = await asyncio.to_thread(_pread, loc.path, loc.offset, loc.size)
             try:
-                await asyncio.to_thread(self.vs.commit_chunk, c.index, data)
+                await asyncio.to_thread(self.vs.write_chunk, c.index, data)
+                self.vs.mark_verified(c.index)
             except ChunkDigestMismatch:
                 log.warning("local copy of chunk %d did not verify; will fetch it", c.index)
                 continue
@@ -187,7 +187,8 @@ class FetchJob:
                 data, digest = await self._from_origin(c)
             else:
                 data, digest = await self._from_peer(r.source, c)
-            await asyncio.to_thread(self.vs.commit_chunk, r.chunk, data, digest)
+            await asyncio.to_thread(self.vs.write_chunk, r.chunk, data, digest)
+            self.vs.mark_verified(r.chunk)       # on the loop thread: the only writer of the bitmap
         except asyncio.CancelledError:
             self.policy.chunk_failed(r.chunk, r.source, "cancelled", loop.time())
             raise
@@ -223,7 +224,7 @@ class FetchJob:
         self.last_progress = time.time()
         self.d.metrics.bytes_in.labels(src).inc(c.size)
         self.d.metrics.chunks.labels(src).inc()
-        self.d.metrics.progress.labels(self.vs.vid[:12]).set(self.vs.bits.mean())
+        self.d.metrics.progress.labels(self.vs.vid[:12]).set(self.vs.done_chunks / len(self.m.chunks))
         self._cancel(self.policy.chunk_done(r.chunk, r.source, c.size, now - t0, now))
 
     async def _from_origin(self, c) -> tuple[bytes, str]:
@@ -272,7 +273,7 @@ class FetchJob:
         done = self.vs.verified_bytes()
         return {"version_id": self.vs.vid, "model": self.m.model, "version": self.m.version,
                 "state": self.state, "error": self.error,
-                "chunks_total": len(self.m.chunks), "chunks_done": int(np.sum(self.vs.bits)),
+                "chunks_total": len(self.m.chunks), "chunks_done": self.vs.done_chunks,
                 "bytes_total": self.m.total_size, "bytes_done": done, "bytes_by_source": dict(self.bytes),
                 "origin_reads": self.policy.origin_reads if self.policy else 0,
                 "started": self.started, "finished": self.finished, "last_progress": self.last_progress,

@@ -1,6 +1,7 @@
 """Structured (JSON-lines) logs for the daemons: one object per record, extras included."""
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import sys
@@ -20,6 +21,9 @@ class JsonFormatter(logging.Formatter):
 
 
 def setup(level: str = "INFO") -> None:
+    """JSON logs on stderr, and Python tracebacks of every thread on a native crash (faulthandler),
+    so a daemon that dies in C leaves evidence in its log."""
+    faulthandler.enable(sys.stderr, all_threads=True)
     h = logging.StreamHandler(sys.stderr)
     h.setFormatter(JsonFormatter())
     root = logging.getLogger()

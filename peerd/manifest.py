@@ -10,6 +10,7 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
 from typing import Iterable, Iterator
@@ -22,8 +23,9 @@ SCHEMA = "weightcast.manifest/v1"
 HASH_ALGORITHM = "sha256"
 DEFAULT_CHUNK_SIZE = 64 * 1024 * 1024
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,127}$")
+MAX_NAME_BYTES = 255            # one path component (NAME_MAX on Linux file systems)
+_HEX64 = re.compile(r"^[0-9a-f]{64}\Z")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,127}\Z")
 
 
 class ManifestError(ValueError):
@@ -75,7 +77,7 @@ class Manifest:
     def canonical_bytes(self) -> bytes:
         return canonical_json(self.body())
 
-    @property
+    @cached_property
     def digest(self) -> str:
         """The version id: SHA-256 of the canonical manifest body."""
         return hashlib.sha256(self.canonical_bytes()).hexdigest()
@@ -220,6 +222,10 @@ def safe_relative_path(p) -> str:
     pp = PurePosixPath(p)
     if pp.is_absolute() or any(part in ("..", ".", "") for part in p.split("/")):
         raise ManifestError(f"file path {p!r} escapes the model directory")
+    if any(len(part.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES for part in p.split("/")):
+        raise ManifestError(f"file path {p!r} has a component over {MAX_NAME_BYTES} bytes (no file system takes it)")
+    if any(not ch.isprintable() for ch in p):
+        raise ManifestError(f"file path {p!r} holds control or unprintable characters")
     return p
 
 
@@ -247,13 +253,13 @@ def validate(m: Manifest) -> None:
             raise ManifestError(f"file {f.path!r} has invalid size {f.size!r}")
         if not isinstance(f.digest, str) or not _HEX64.match(f.digest):
             raise ManifestError(f"file {f.path!r} digest must be 64 lowercase hex characters")
-    prefixes = {str(PurePosixPath(p).parent) for p in seen}
+    prefixes = {str(a) for p in seen for a in PurePosixPath(p).parents}
     clash = seen & prefixes
     if clash:
         raise ManifestError(f"path {sorted(clash)[0]!r} is both a file and a directory")
     next_offset = {f.path: 0 for f in m.files}
     for i, c in enumerate(m.chunks):
-        if c.index != i:
+        if not _is_int(c.index) or c.index != i:
             raise ManifestError(f"chunk at position {i} has index {c.index!r}; indices must be 0..n-1 in order")
         if c.file not in next_offset:
             raise ManifestError(f"chunk {i} refers to unknown file {c.file!r}")

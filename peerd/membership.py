@@ -17,8 +17,10 @@ class Member:
 
 
 class Membership:
-    def __init__(self, me: dict, dead_after: float, clock=time.monotonic, rng: random.Random | None = None):
+    def __init__(self, me: dict, dead_after: float, clock=time.monotonic, rng: random.Random | None = None,
+                 max_members: int = 10_000):
         self.me = me
+        self.max_members = max_members     # gossip is client input: membership must not grow without bound
         self.dead_after = dead_after
         self.clock = clock
         self.rng = rng or random.Random()
@@ -31,17 +33,29 @@ class Membership:
             return None
         m = self.members.get(peer["id"])
         if m is None:
+            if len(self.members) >= self.max_members and not self._evict_one_dead():
+                return None
             m = self.members[peer["id"]] = Member(peer["id"], peer["addr"], peer.get("rack", ""))
         return m
 
-    def heard_from(self, peer: dict, versions: dict[str, str]) -> tuple[Member, bool]:
-        """Direct contact. Returns the member and whether it came back from the dead."""
+    def _evict_one_dead(self) -> bool:
+        for mid, m in self.members.items():
+            if m.dead:
+                del self.members[mid]
+                return True
+        return False
+
+    def heard_from(self, peer: dict, versions: dict[str, str]) -> tuple[Member | None, bool]:
+        """Direct contact. Returns the member (None when membership is full of live members) and
+        whether it came back from the dead."""
         m = self.learn(peer)
+        if m is None:
+            return None, False
         m.addr, m.rack = peer["addr"], peer.get("rack", "")
         revived = m.dead
         m.dead = False
         m.last_heard = self.clock()
-        m.versions.update(versions)
+        m.versions = dict(versions)        # a peer sends all it holds: replace, never accumulate
         return m, revived
 
     def sweep(self) -> list[Member]:

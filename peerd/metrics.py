@@ -19,6 +19,8 @@ class PeerdMetrics:
         self.bytes_out = Counter("peerd_upload_bytes_total", "Chunk bytes served to peers", registry=r)
         self.chunks = Counter("peerd_chunks_verified_total", "Chunks verified and made durable", ["source"], registry=r)
         self.failures = Counter("peerd_chunk_failures_total", "Failed chunk fetches", ["reason"], registry=r)
+        self.uploads_aborted = Counter("peerd_upload_aborted_total",
+                                       "Uploads the requester abandoned (endgame duplicates, slow peers)", registry=r)
         self.busy = Counter("peerd_upload_busy_total", "Uploads refused with 503 (at max_uploads)", registry=r)
         self.quarantined = Gauge("peerd_quarantined_peers", "Peers quarantined for serving bad chunks", registry=r)
         self.peers_alive = Gauge("peerd_peers_alive", "Members currently considered alive", registry=r)

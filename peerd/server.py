@@ -2,21 +2,21 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
-import json
 import logging
 import re
 
 from aiohttp import web
 
+from peerd.http_input import BadInput, bearer_ok, read_json
 from peerd.manifest import ManifestError
 from peerd.metrics import metrics_handler
+from peerd.origin import OriginError
 from peerd.store import DiskFullError, StoreError
 from peerd.wire import MAX_GOSSIP_BYTES, MAX_JOB_BYTES, WireError, check_gossip, check_job, check_vid, pack_bits
 
 log = logging.getLogger("peerd.http")
 UPLOAD_PIECE = 128 * 1024
-_RANGE = re.compile(r"^bytes=(\d+)-(\d*)$")
+_RANGE = re.compile(r"^bytes=(\d+)-(\d*)\Z")
 
 
 def _error(status: int, message: str, **extra) -> web.Response:
@@ -26,10 +26,8 @@ def _error(status: int, message: str, **extra) -> web.Response:
 def make_app(daemon) -> web.Application:
     @web.middleware
     async def guard(request: web.Request, handler):
-        if request.path.startswith("/v1/") and daemon.config.token:
-            got = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(got.encode(), f"Bearer {daemon.config.token}".encode()):
-                return _error(401, "missing or wrong cluster token (Authorization: Bearer <token>)")
+        if request.path.startswith("/v1/") and daemon.config.token and not bearer_ok(request, daemon.config.token):
+            return _error(401, "missing or wrong cluster token (Authorization: Bearer <token>)")
         try:
             return await handler(request)
         except web.HTTPException as e:
@@ -38,20 +36,11 @@ def make_app(daemon) -> web.Application:
             raise
         except WireError as e:
             return _error(400, str(e))
+        except BadInput as e:
+            return _error(e.status, str(e))
 
     app = web.Application(middlewares=[guard], client_max_size=MAX_JOB_BYTES)
     d = daemon
-
-    async def read_json(request: web.Request, limit: int):
-        if request.content_length is not None and request.content_length > limit:
-            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
-        raw = await request.content.read(limit + 1)
-        if len(raw) > limit:
-            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(raw))
-        try:
-            return json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise WireError(f"body is not valid JSON: {e}") from None
 
     async def healthz(_):
         return web.json_response({"ok": True, "host": d.config.host_id})
@@ -59,11 +48,15 @@ def make_app(daemon) -> web.Application:
     async def submit_job(request):
         body = check_job(await read_json(request, MAX_JOB_BYTES))
         try:
-            job = d.submit(body)
+            job = await d.submit(body)
         except ManifestError as e:
             return _error(422, f"manifest refused: {e}")
+        except OriginError as e:
+            return _error(502, str(e), code="manifest_unavailable")
         except DiskFullError as e:
             return _error(507, str(e), code="disk_full")
+        except StoreError as e:
+            return _error(422, f"cannot lay the version out on disk: {e}", code="bad_layout")
         return web.json_response(job.status(), status=202)
 
     def job_for(request):
@@ -91,6 +84,10 @@ def make_app(daemon) -> web.Application:
         if vs is None:
             raise web.HTTPNotFound(reason=f"version {vid[:12]}… is not stored on {d.config.host_id}")
         return vs
+
+    async def manifest(request):
+        vs = version_store(request)
+        return web.FileResponse(vs.root / "manifest.json", headers={"Content-Type": "application/json"})
 
     async def bitmap(request):
         vs = version_store(request)
@@ -122,10 +119,10 @@ def make_app(daemon) -> web.Application:
             return _error(503, "upload slots full; try another peer")
         count = end - start + 1
         d.uploads_active += 1
+        resp = web.StreamResponse(status=206 if rng else 200, headers={
+            "Content-Type": "application/octet-stream", "Content-Length": str(count),
+            **({"Content-Range": f"bytes {start}-{end}/{loc.size}"} if rng else {})})
         try:
-            resp = web.StreamResponse(status=206 if rng else 200, headers={
-                "Content-Type": "application/octet-stream", "Content-Length": str(count),
-                **({"Content-Range": f"bytes {start}-{end}/{loc.size}"} if rng else {})})
             await resp.prepare(request)
             if d.config.fault_corrupt_uploads:
                 await d.upload_bucket.acquire(count)
@@ -141,15 +138,19 @@ def make_app(daemon) -> web.Application:
                     while sent < count:
                         n = min(UPLOAD_PIECE, count - sent)
                         await d.upload_bucket.acquire(n)
-                        await loop.sendfile(request.transport, f, loc.offset + start + sent, n)
+                        transport = request.transport   # None once the requester has gone
+                        if transport is None or transport.is_closing():
+                            raise ConnectionResetError("the requester closed the connection")
+                        await loop.sendfile(transport, f, loc.offset + start + sent, n)
                         sent += n
             d.metrics.bytes_out.inc(count)
-            return resp
-        except (ConnectionError, OSError, StoreError) as e:
-            log.info("upload aborted", extra={"chunk": index, "error": str(e)})
-            raise
+        except ConnectionError as e:
+            # normal in a swarm: endgame duplicates are cancelled, requesters give up on slow peers
+            d.metrics.uploads_aborted.inc()
+            log.debug("upload abandoned by the requester", extra={"chunk": index, "error": str(e)})
         finally:
             d.uploads_active -= 1
+        return resp
 
     async def gossip(request):
         msg = check_gossip(await read_json(request, MAX_GOSSIP_BYTES))
@@ -170,6 +171,7 @@ def make_app(daemon) -> web.Application:
     app.router.add_get("/v1/jobs/{vid}", job_status)
     app.router.add_get("/v1/status", status)
     app.router.add_get("/v1/versions/{vid}/bitmap", bitmap)
+    app.router.add_get("/v1/versions/{vid}/manifest", manifest)
     app.router.add_get("/v1/versions/{vid}/chunks/{index}", chunk)
     app.router.add_delete("/v1/versions/{vid}", remove)
     app.router.add_post("/v1/gossip", gossip)

@@ -8,6 +8,11 @@ Layout under the store root::
 
 A bitmap byte is written only after the chunk's bytes matched the manifest digest and were
 fdatasync'ed, so after a crash every set bit is true and nothing verified is fetched again.
+
+Threads: ``write_chunk`` (hash check, pwrite, fdatasync) runs in worker threads; the in-memory bitmap
+``bits`` and the counters are changed only by ``mark_verified`` on the owner's (event loop) thread.
+numpy's boolean-mask indexing counts the mask, allocates, then fills: a bit set by another thread in
+between wrote past the allocation and corrupted the heap ("double free or corruption" under load).
 """
 from __future__ import annotations
 
@@ -59,10 +64,14 @@ class VersionStore:
         self.manifest = manifest
         self.vid = manifest.digest
         self.model_dir = root / "model"
-        self._lock = threading.Lock()
         self._fds: dict[str, int] = {}
         self._bitmap_fd: int | None = None
+        self._io = threading.Condition()      # guards the fds against close() while a write is in flight
+        self._writers = 0
+        self._closed = False
         self.bits = np.zeros(len(manifest.chunks), dtype=bool)
+        self.done_chunks = 0
+        self.done_bytes = 0
         self._digest_idx: dict[str, int] | None = None
 
     # -- lifecycle
@@ -81,7 +90,7 @@ class VersionStore:
             os.ftruncate(fd, n)
         self._bitmap_fd = fd
         raw = os.pread(fd, n, 0)
-        self.bits = np.frombuffer(raw, dtype=np.uint8).astype(bool).copy() if n else self.bits
+        self.set_bits(np.frombuffer(raw, dtype=np.uint8).astype(bool) if n else self.bits)
         need = 0
         for f in self.manifest.files:
             p = self.model_dir / f.path
@@ -103,13 +112,25 @@ class VersionStore:
                 _raise_if_enospc(e, f"pre-allocating {p}")
                 raise
 
+    def set_bits(self, bits: np.ndarray) -> None:
+        self.bits = np.asarray(bits, dtype=bool).copy()
+        sizes = np.fromiter((c.size for c in self.manifest.chunks), dtype=np.int64, count=len(self.bits))
+        self.done_chunks = int(self.bits.sum())
+        self.done_bytes = int(sizes[self.bits].sum())
+
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
-        if self._bitmap_fd is not None:
-            os.close(self._bitmap_fd)
-            self._bitmap_fd = None
+        """Close the files once no write is in flight (a closed fd number can be reused at once:
+        a late pwrite would land in someone else's file)."""
+        with self._io:
+            self._closed = True
+            while self._writers:
+                self._io.wait()
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+            if self._bitmap_fd is not None:
+                os.close(self._bitmap_fd)
+                self._bitmap_fd = None
 
     # -- queries
     def has(self, index: int) -> bool:
@@ -120,8 +141,7 @@ class VersionStore:
         return bool(self.bits.all())
 
     def verified_bytes(self) -> int:
-        sizes = np.fromiter((c.size for c in self.manifest.chunks), dtype=np.int64, count=len(self.bits))
-        return int(sizes[self.bits].sum())
+        return self.done_bytes
 
     def location(self, index: int) -> ChunkLocation:
         c = self.manifest.chunks[index]
@@ -140,9 +160,11 @@ class VersionStore:
                 self._digest_idx.setdefault(c.digest, c.index)
         return self._digest_idx
 
-    # -- writes (blocking: call from a worker thread)
-    def commit_chunk(self, index: int, data: bytes | memoryview, digest: str | None = None) -> None:
-        """Write a chunk at its offset, make it durable, then set its bit.
+    # -- writes
+    def write_chunk(self, index: int, data: bytes | memoryview, digest: str | None = None) -> bool:
+        """Check a chunk against the manifest, write it at its offset and make it and its bitmap byte
+        durable. Blocking and thread-safe: call it from a worker thread, then ``mark_verified`` on the
+        owner's thread. False when the bit was already set (nothing written).
 
         ``digest`` is the hex digest the caller already computed while streaming (so bytes are
         hashed once); when None it is computed here.
@@ -156,9 +178,13 @@ class VersionStore:
             raise ChunkDigestMismatch(f"chunk {index}: digest {digest[:16]}… does not match manifest "
                                       f"{c.digest[:16]}…")
         if self.bits[index]:
-            return
-        fd = self._fds[c.file]
+            return False
+        with self._io:
+            if self._closed:
+                raise StoreError(f"version {self.vid[:12]} was closed (removed) while chunk {index} was arriving")
+            self._writers += 1
         try:
+            fd = self._fds[c.file]
             written = os.pwrite(fd, data, c.offset)
             if written != c.size:
                 raise StoreError(f"short write of chunk {index}: {written} of {c.size} bytes")
@@ -168,8 +194,23 @@ class VersionStore:
         except OSError as e:
             _raise_if_enospc(e, f"writing chunk {index}")
             raise
-        with self._lock:
+        finally:
+            with self._io:
+                self._writers -= 1
+                self._io.notify_all()
+        return True
+
+    def mark_verified(self, index: int) -> None:
+        """Set a chunk's in-memory bit after ``write_chunk``; only on the owner's thread."""
+        if not self.bits[index]:
             self.bits[index] = True
+            self.done_chunks += 1
+            self.done_bytes += self.manifest.chunks[index].size
+
+    def commit_chunk(self, index: int, data: bytes | memoryview, digest: str | None = None) -> None:
+        """``write_chunk`` then ``mark_verified``, for single-threaded callers (tools, tests)."""
+        self.write_chunk(index, data, digest)
+        self.mark_verified(index)
 
     def write_verified(self) -> None:
         """Hand-off to the model server: ``model/verified.json`` fingerprints (size, mtime) every file
@@ -210,8 +251,19 @@ class ChunkStore:
         vid = manifest.digest
         if vid in self.versions:
             return self.versions[vid]
-        vs = VersionStore(self.root / "versions" / vid, manifest)
-        vs.prepare(signed_manifest, reserve_bytes)
+        root = self.root / "versions" / vid
+        fresh = not root.exists()
+        vs = VersionStore(root, manifest)
+        try:
+            vs.prepare(signed_manifest, reserve_bytes)
+        except (OSError, StoreError) as e:
+            vs.close()
+            if fresh:        # a refused version leaves nothing behind
+                shutil.rmtree(root, ignore_errors=True)
+            if isinstance(e, StoreError):
+                raise
+            _raise_if_enospc(e, f"preparing version {vid[:12]}")
+            raise StoreError(f"cannot lay out version {vid[:12]} under {root}: {e.strerror} ({e.filename})") from e
         self.versions[vid] = vs
         return vs
 
@@ -243,7 +295,7 @@ class ChunkStore:
         if len(bits) != len(m.chunks):
             return None
         vs = VersionStore(d, m)
-        vs.bits = bits.copy()
+        vs.set_bits(bits)
         return vs
 
     def remove_version(self, vid: str) -> None:

@@ -8,9 +8,9 @@ import numpy as np
 
 MAX_GOSSIP_BYTES = 1 * 1024 * 1024
 MAX_JOB_BYTES = 64 * 1024 * 1024
-_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}$")
-_VID = re.compile(r"^[0-9a-f]{64}$")
-_ADDR = re.compile(r"^https?://[A-Za-z0-9.\-\[\]:]{1,256}$")
+_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}\Z")
+_VID = re.compile(r"^[0-9a-f]{64}\Z")
+_ADDR = re.compile(r"^https?://[A-Za-z0-9.\-\[\]:]{1,256}\Z")
 
 
 class WireError(ValueError):
@@ -75,8 +75,17 @@ def check_gossip(body) -> dict:
 def check_job(body) -> dict:
     if not isinstance(body, dict):
         raise WireError("job body must be a JSON object")
-    if not isinstance(body.get("manifest"), dict):
-        raise WireError("job needs 'manifest': the signed manifest document")
+    ref = body.get("manifest_ref")
+    if ref is not None:
+        if not isinstance(ref, dict) or not isinstance(ref.get("key"), str) or not 0 < len(ref["key"]) <= 1024:
+            raise WireError("manifest_ref must be {version_id, key}: the signed manifest's id and object key")
+        ref = {"version_id": check_vid(ref.get("version_id")), "key": ref["key"]}
+        if "manifest" in body:
+            raise WireError("give 'manifest' (the document) or 'manifest_ref' (where it lies), not both")
+        if body.get("origin") is None:
+            raise WireError("manifest_ref needs an origin to fetch the manifest from")
+    elif not isinstance(body.get("manifest"), dict):
+        raise WireError("job needs 'manifest_ref' {version_id, key} (or 'manifest', the signed document)")
     origin = body.get("origin")
     if origin is not None:
         if not isinstance(origin, dict) or not all(isinstance(origin.get(k), str) for k in ("endpoint", "bucket")):
@@ -89,5 +98,5 @@ def check_job(body) -> dict:
     peers = body.get("peers", [])
     if not isinstance(peers, list) or len(peers) > 100_000:
         raise WireError("peers must be a list")
-    return {"manifest": body["manifest"], "origin": origin,
+    return {"manifest": body.get("manifest"), "manifest_ref": ref, "origin": origin,
             "seeders": [check_id(s, "seeder id") for s in seeders], "peers": [check_peer(p) for p in peers]}

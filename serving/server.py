@@ -22,7 +22,7 @@ from serving.http_json import bad_request, json_object
 from serving.loader import LoadError
 
 log = logging.getLogger("serving.model_server")
-_VERSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,127}$")
+_VERSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,127}\Z")
 MAX_BODY = 1024 * 1024
 
 

@@ -239,10 +239,12 @@ def cmd_rollout(a) -> int:
 
     if a.sub == "start":       # check the input before connecting anywhere
         from weightcast.rollouts import InvalidRolloutInput, check_input, start_rollout
-        from workflows.types import RolloutInput
+        from workflows.types import ManifestRef, RolloutInput
         try:
             spec = json.loads(a.input.read_text())
             spec["hosts"] = [HostSpec(**h) for h in spec["hosts"]]
+            if isinstance(spec.get("manifest"), dict):
+                spec["manifest"] = ManifestRef(**spec["manifest"])
             inp = RolloutInput(**spec)
         except (OSError, ValueError, TypeError, KeyError) as e:
             raise InvalidRolloutInput(f"{a.input}: not a RolloutInput ({type(e).__name__}: {e}); see "

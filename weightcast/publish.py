@@ -25,7 +25,7 @@ from peerd import manifest as mf
 from peerd.origin import OriginError, OriginSpec, S3Origin
 from peerd.signing import load_private_key
 from weightcast.rollouts import check_input, rollout_id, start_rollout
-from workflows.types import HostSpec, RolloutInput
+from workflows.types import HostSpec, ManifestRef, RolloutInput
 
 MARKER = ".weightcast-manifest.json"
 
@@ -93,9 +93,12 @@ async def publish_and_start(client: Client, req: PublishRequest, hosts: list[Hos
     (router, previous_version, max_concurrent_loads, failure_budget, ...)."""
     origin = {"endpoint": req.origin.endpoint, "bucket": req.origin.bucket, "prefix": req.origin.prefix}
     # refuse bad input before uploading anything (the manifest is not signed yet: a placeholder stands in)
-    check_input(RolloutInput(req.model, req.version, "{}", origin, hosts, **rollout), "nothing published")
+    check_input(RolloutInput(req.model, req.version, "", origin, hosts, manifest=ManifestRef("0" * 64, MARKER),
+                             **rollout), "nothing published")
     pub = await upload(req)
-    inp = RolloutInput(req.model, req.version, pub.signed, origin, hosts, **rollout)
+    # by reference: the workflow and every host activity carry (digest, key), never the document
+    inp = RolloutInput(req.model, req.version, "", origin, hosts, manifest=ManifestRef(pub.manifest.digest, MARKER),
+                       **rollout)
     wid = rollout_id(req.model, req.version)
     out = {"model": req.model, "version": req.version, "version_id": pub.manifest.digest, "workflow_id": wid,
            "bytes": pub.manifest.total_size, "uploaded_files": len(pub.uploaded),

@@ -17,10 +17,11 @@ from workflows.types import CONTROL_QUEUE
 WORKFLOWS = [RolloutWorkflow, HostBatchWorkflow]
 
 
-def build(client: Client, trusted_keys: list[Path]) -> Worker:
-    acts = ControlActivities(trusted_keys)
+def build(client: Client, trusted_keys: list[Path], s3_credentials: tuple[str, str] | None = None) -> Worker:
+    """``s3_credentials`` (access key, secret) to read published manifests; default the AWS_* variables."""
+    acts = ControlActivities(trusted_keys, s3_credentials)
     return Worker(client, task_queue=CONTROL_QUEUE, workflows=WORKFLOWS,
-                  activities=[acts.check_manifest, acts.set_traffic])
+                  activities=[acts.check_manifest, acts.check_manifest_ref, acts.set_traffic])
 
 
 async def run(address: str, namespace: str, trusted_keys: list[Path]) -> None:

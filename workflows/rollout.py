@@ -19,7 +19,7 @@ from temporalio.exceptions import ActivityError, ApplicationError
 with workflow.unsafe.imports_passed_through():
     from workflows.host_batch import HostBatchWorkflow
     from workflows.types import (CONTROL_QUEUE, DistributeInput, HostBatchInput, HostOutcome, LoadInput,
-                                 ManifestInfo, RolloutCarry, RolloutInput, RolloutStatus, TrafficInput)
+                                 ManifestCheck, ManifestInfo, RolloutCarry, RolloutInput, RolloutStatus, TrafficInput)
 
 PHASE = SearchAttributeKey.for_keyword("RolloutPhase")
 MAX_PENDING_LOADS = 1000      # Temporal allows 2,000 pending activities per workflow
@@ -124,9 +124,15 @@ class RolloutWorkflow:
     async def _run(self, inp: RolloutInput) -> dict:
         self._set_phase("manifest", "checking the signature")
         try:
-            info: ManifestInfo = await workflow.execute_activity(
-                "check_manifest", inp.signed_manifest, task_queue=CONTROL_QUEUE, result_type=ManifestInfo,
-                start_to_close_timeout=timedelta(minutes=5), summary="verify manifest signature")
+            if inp.manifest is not None:   # by reference: the activity fetches it and checks digest and signature
+                info: ManifestInfo = await workflow.execute_activity(
+                    "check_manifest_ref", ManifestCheck(inp.manifest, inp.origin), task_queue=CONTROL_QUEUE,
+                    result_type=ManifestInfo, start_to_close_timeout=timedelta(minutes=5),
+                    retry_policy=RetryPolicy(maximum_attempts=5), summary="fetch and verify the signed manifest")
+            else:
+                info = await workflow.execute_activity(
+                    "check_manifest", inp.signed_manifest, task_queue=CONTROL_QUEUE, result_type=ManifestInfo,
+                    start_to_close_timeout=timedelta(minutes=5), summary="verify manifest signature")
         except ActivityError as e:
             raise ApplicationError(f"manifest refused, nothing loaded: {e.cause}", type="ManifestRefused",
                                    non_retryable=True) from None
@@ -140,7 +146,7 @@ class RolloutWorkflow:
         for h in self.hosts:
             self.hosts[h] = "downloading"
         seeders = [h.id for h in inp.hosts][:64]
-        dist = DistributeInput(inp.signed_manifest, inp.origin, seeders)
+        dist = DistributeInput(inp.signed_manifest, inp.origin, seeders, inp.manifest)
         batches = [inp.hosts[i:i + inp.batch_size] for i in range(0, len(inp.hosts), inp.batch_size)]
         self.batches = [f"{workflow.info().workflow_id}-batch-{i}" for i in range(len(batches))]
         results = await asyncio.gather(*(

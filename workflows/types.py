@@ -6,7 +6,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 CONTROL_QUEUE = "weightcast-control"
-NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")   # model, version and host ids (go into workflow ids)
+HEX64 = re.compile(r"^[0-9a-f]{64}\Z")
+INLINE_MANIFEST_MAX = 256 * 1024          # inline manifests only for small checkpoints (legacy input)
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")   # model, version and host ids (go into workflow ids)
 
 
 def _within(v, low: float, high: float, integer: bool = False) -> bool:
@@ -32,10 +34,26 @@ class HostSpec:
 
 
 @dataclass
+class ManifestRef:
+    """Where a signed manifest lies and what it must hash to. Workflows carry this, never the document:
+    a 400 GB checkpoint's manifest is MBs, over Temporal's payload limits once per host."""
+    version_id: str                       # SHA-256 of the canonical manifest body
+    key: str = ".weightcast-manifest.json"   # object key under the origin prefix
+
+    def problems(self) -> list[str]:
+        out = []
+        if not isinstance(self.version_id, str) or not HEX64.match(self.version_id):
+            out.append(f"manifest.version_id {self.version_id!r} must be 64 lowercase hex characters")
+        if not isinstance(self.key, str) or not self.key or len(self.key) > 1024:
+            out.append("manifest.key must be the object key of the signed manifest under the origin prefix")
+        return out
+
+
+@dataclass
 class RolloutInput:
     model: str
     version: str
-    signed_manifest: str                  # the signed manifest document (JSON text)
+    signed_manifest: str                  # legacy: the whole document (JSON text); empty when manifest is set
     origin: dict                          # {endpoint, bucket, prefix}
     hosts: list[HostSpec]
     router: str = ""                      # router address; empty = no traffic phase
@@ -49,6 +67,7 @@ class RolloutInput:
     heartbeat_timeout_s: float = 30.0     # a host worker silent this long is presumed dead: retry
     max_history_events: int = 20_000      # continue-as-new past this (Temporal's hard limit is ~50k)
     carry: RolloutCarry | None = None     # set by continue-as-new only, never by callers
+    manifest: ManifestRef | None = None   # the manifest by reference (what `weightcast publish` sends)
 
     def problems(self) -> list[str]:
         """Everything wrong with this input, in words an operator can act on (empty when valid)."""
@@ -56,8 +75,17 @@ class RolloutInput:
         for what, v in (("model", self.model), ("version", self.version)):
             if not isinstance(v, str) or not NAME.match(v):
                 out.append(f"{what} {v!r} must be 1-128 characters of letters, digits, '.', '_' or '-'")
-        if not isinstance(self.signed_manifest, str) or not self.signed_manifest.strip().startswith("{"):
-            out.append("signed_manifest must be the signed manifest document (JSON), e.g. from `weightcast manifest build`")
+        if self.manifest is not None:
+            out += self.manifest.problems() if isinstance(self.manifest, ManifestRef) else \
+                ["manifest must be {version_id, key}: where the signed manifest lies under the origin prefix"]
+            if self.signed_manifest:
+                out.append("give the manifest by reference (manifest) or inline (signed_manifest), not both")
+        elif not isinstance(self.signed_manifest, str) or not self.signed_manifest.strip().startswith("{"):
+            out.append("manifest must be {version_id, key} of the published signed manifest "
+                       "(`weightcast publish` sets it), or signed_manifest the document itself")
+        elif len(self.signed_manifest) > INLINE_MANIFEST_MAX:
+            out.append(f"signed_manifest is {len(self.signed_manifest)} characters; over {INLINE_MANIFEST_MAX} "
+                       "it would break Temporal's payload limits: publish it and pass manifest={version_id, key}")
         origin = self.origin if isinstance(self.origin, dict) else {}
         missing = [k for k in ("endpoint", "bucket") if not origin.get(k)]
         if missing:
@@ -107,10 +135,17 @@ class RolloutCarry:
 
 
 @dataclass
+class ManifestCheck:
+    ref: ManifestRef
+    origin: dict
+
+
+@dataclass
 class DistributeInput:
-    signed_manifest: str
+    signed_manifest: str                  # legacy inline document; empty when manifest is set
     origin: dict
     seeders: list[str]
+    manifest: ManifestRef | None = None
 
 
 @dataclass

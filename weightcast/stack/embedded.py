@@ -85,7 +85,9 @@ class EmbeddedStack:
                  "--store", str(self.peerd[i].store), "--model-server", addr]).launch()
         for p in [*self.peerd.values(), *self.host_workers.values()]:
             await asyncio.to_thread(p.wait_ready)
-        self.control_worker = control_worker.build(self.client, [self.trusted_key])
+        env = self.s3.env()
+        self.control_worker = control_worker.build(self.client, [self.trusted_key],
+                                                   (env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"]))
         self._control_task = asyncio.create_task(self.control_worker.run())
         return self
 

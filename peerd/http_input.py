@@ -1,0 +1,56 @@
+"""Client input at the HTTP boundary, shared by peerd, the model server and the router: whole JSON
+bodies under a size limit, and bearer tokens compared in constant time. Every failure is a 4xx."""
+from __future__ import annotations
+
+import hmac
+import json
+
+from aiohttp import web
+
+READ_PIECE = 1024 * 1024
+
+
+class BadInput(ValueError):
+    """The client sent something unusable; ``status`` is the 4xx to answer with."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+async def read_body(request: web.Request, limit: int) -> bytes:
+    """The whole body, however it arrives in pieces; the limit applies to the total."""
+    if request.content_length is not None and request.content_length > limit:
+        raise BadInput(f"body of {request.content_length} bytes is over the {limit}-byte limit", 413)
+    parts, total = [], 0
+    while piece := await request.content.read(READ_PIECE):
+        total += len(piece)
+        if total > limit:
+            raise BadInput(f"body is over the {limit}-byte limit", 413)
+        parts.append(piece)
+    return b"".join(parts)
+
+
+def parse_json(raw: bytes):
+    """Strict JSON: UTF-8, no NaN/Infinity (they cannot be sent back as JSON), bounded nesting."""
+    try:
+        return json.loads(raw, parse_constant=_no_constant)
+    except RecursionError:
+        raise BadInput("body is nested too deeply") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BadInput(f"body is not valid JSON: {e}") from None
+
+
+async def read_json(request: web.Request, limit: int):
+    return parse_json(await read_body(request, limit))
+
+
+def _no_constant(name: str):
+    raise BadInput(f"{name} is not a number JSON allows")
+
+
+def bearer_ok(request: web.Request, token: str) -> bool:
+    """True when the request carries ``Authorization: Bearer <token>``. Bytes are compared as sent
+    (headers that are not valid UTF-8 are compared, not crashed on)."""
+    got = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+    return hmac.compare_digest(got, f"Bearer {token}".encode())
