@@ -51,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--gossip-interval", type=float, default=1.0)
     ap.add_argument("--have-interval", type=float, default=0.1)
     ap.add_argument("--dead-after", type=float, default=5.0)
+    ap.add_argument("--max-members", type=int, default=10_000, help="members remembered (bounds what gossip can add)")
     ap.add_argument("--reserve-bytes", type=int, default=0, help="free space to keep on the store volume")
     ap.add_argument("--ready-file", type=Path, help="write {addr,id} JSON here once listening")
     ap.add_argument("--fault-corrupt-uploads", action="store_true", help=argparse.SUPPRESS)
@@ -63,7 +64,7 @@ def config_from_args(a) -> PeerdConfig:
                        rack=a.rack, token=a.token, trusted_keys=a.trusted_key, seed_peers=a.peer,
                        upload_rate=a.upload_rate, download_rate=a.download_rate, origin_rate=a.origin_rate,
                        gossip_interval=a.gossip_interval, have_interval=a.have_interval, dead_after=a.dead_after,
-                       reserve_bytes=a.reserve_bytes, ready_file=a.ready_file, max_uploads=a.max_uploads,
+                       reserve_bytes=a.reserve_bytes, max_members=a.max_members, ready_file=a.ready_file, max_uploads=a.max_uploads,
                        fault_corrupt_uploads=a.fault_corrupt_uploads,
                        policy=PolicyConfig(max_cross_rack_peers=a.max_cross_rack_peers))
 

@@ -3,7 +3,7 @@ import json
 import numpy as np
 import pytest
 
-from peerd.store import ChunkDigestMismatch, ChunkStore, DiskFullError
+from peerd.store import ChunkDigestMismatch, ChunkStore, DiskFullError, StoreError
 
 
 def chunk_bytes(checkpoint, c):
@@ -65,3 +65,30 @@ def test_chunks_of_an_earlier_version_are_found_locally(tmp_path, signed, checkp
     same = [c for c in m2.chunks if c.file != m.files[-1].path]
     assert all(found[c.index] is not None for c in same)
     assert all(found[c.index] is None for c in m2.chunks if c.file == m.files[-1].path)
+
+
+def test_worker_threads_write_but_only_the_owner_sets_bits(tmp_path, signed, checkpoint):
+    """The double free under load: numpy's mask indexing (count, allocate, fill) raced a bit set by a
+    worker thread. Now threads only write and fsync; the in-memory bitmap and counters change on the
+    owner's thread alone, and close() waits for writes in flight."""
+    from concurrent.futures import ThreadPoolExecutor
+    m, doc = signed
+    raw = json.dumps(doc).encode()
+    vs = ChunkStore(tmp_path / "s").open_version(m, raw)
+    with ThreadPoolExecutor(4) as ex:
+        futures = [ex.submit(vs.write_chunk, c.index, chunk_bytes(checkpoint, c)) for c in m.chunks]
+        while not all(f.done() for f in futures):
+            assert not vs.bits.any() and vs.verified_bytes() == 0
+        assert all(f.result() is True for f in futures)
+    assert vs.done_chunks == 0
+    for c in m.chunks:
+        vs.mark_verified(c.index)
+        vs.mark_verified(c.index)           # idempotent: counted once
+    assert vs.complete and vs.verified_bytes() == m.total_size and vs.done_chunks == len(m.chunks)
+    vs.close()
+    other = ChunkStore(tmp_path / "t").open_version(m, raw)
+    other.close()                          # removed while a chunk was arriving: refused, no write to a stale fd
+    with pytest.raises(StoreError, match="closed"):
+        other.write_chunk(0, chunk_bytes(checkpoint, m.chunks[0]))
+    reopened = ChunkStore(tmp_path / "s").open_version(m, raw)   # the durable bitmap has every bit
+    assert reopened.complete and reopened.verified_bytes() == m.total_size
