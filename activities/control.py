@@ -19,8 +19,10 @@ def _info(m: mf.Manifest) -> ManifestInfo:
 
 
 class ControlActivities:
-    def __init__(self, trusted_keys: list[Path], s3_credentials: tuple[str, str] | None = None):
+    def __init__(self, trusted_keys: list[Path], s3_credentials: tuple[str, str] | None = None,
+                 admin_token: str = ""):
         self.trusted = [load_public_key(p) for p in trusted_keys]
+        self.admin = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
         self.s3_credentials = s3_credentials or (None, None)   # None: the AWS_* variables
 
     @activity.defn(name="check_manifest")
@@ -46,7 +48,7 @@ class ControlActivities:
     async def set_traffic(self, inp: TrafficInput) -> dict:
         """Register hosts and versions (idempotent PUT/POST), then set the weights."""
         base = f"{inp.router}/admin/models/{inp.model}"
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10), headers=self.admin) as s:
             if inp.hosts:
                 async with s.put(f"{base}/hosts", json=inp.hosts) as r:
                     r.raise_for_status()

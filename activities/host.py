@@ -26,9 +26,12 @@ def progress_details(host: str, st: dict) -> dict:
 
 
 class HostActivities:
-    def __init__(self, host_id: str, peerd_addr: str, token: str, store: Path, model_server: str):
+    def __init__(self, host_id: str, peerd_addr: str, token: str, store: Path, model_server: str,
+                 admin_token: str = ""):
         self.host_id, self.peerd_addr, self.token = host_id, peerd_addr, token
         self.store, self.model_server = Path(store), model_server
+        # the model server's load/unload and the router's permits take the admin token
+        self.admin = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
 
     @activity.defn(name="distribute")
     async def distribute(self, inp: DistributeInput) -> DistributeResult:
@@ -57,17 +60,17 @@ class HostActivities:
 
     @activity.defn(name="load_version")
     async def load_version(self, inp: LoadInput) -> dict:
-        path = self.store / "versions" / inp.version_id / "model"
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as s:
             retired = await self._retire(s, inp)
-            async with s.post(f"{self.model_server}/v1/load", json={"model_version": inp.version, "path": str(path)}) as r:
+            async with s.post(f"{self.model_server}/v1/load", headers=self.admin,
+                              json={"model_version": inp.version, "version_id": inp.version_id}) as r:
                 body = await r.json(content_type=None)
         if r.status != 200:
             # fail closed: a version that does not verify, fit or pass its smoke test is not retried blindly
             raise ApplicationError(f"{self.host_id}: load of {inp.version} failed: {body.get('code')}: "
                                    f"{body.get('reason') or body.get('error')}", type="LoadFailed",
-                                   non_retryable=body.get("code") in ("altered", "unverified", "wrong_version",
-                                                                      "smoke_failed", "bad_checkpoint"))
+                                   non_retryable=r.status in (400, 401, 403, 404) or body.get("code") in (
+                                       "altered", "unverified", "wrong_version", "smoke_failed", "bad_checkpoint"))
         return {**body, "retired": retired}
 
     async def _retire(self, s: aiohttp.ClientSession, inp: LoadInput) -> list[str]:
@@ -83,13 +86,17 @@ class HostActivities:
             if v in inp.keep or st.get("state") != "ready":
                 continue
             if inp.router:
-                async with s.post(f"{inp.router}/admin/models/{inp.model}/permits/unload",
+                async with s.post(f"{inp.router}/admin/models/{inp.model}/permits/unload", headers=self.admin,
                                   json={"host": self.host_id, "version": v}) as r:
-                    if r.status == 409:
+                    answer = await r.json(content_type=None)
+                    if r.status == 401:
+                        raise ApplicationError(f"router refused the admin token: {answer.get('error')}",
+                                               type="Unauthorized", non_retryable=True)
+                    if r.status != 200:
                         activity.logger.info("router refused to retire %s on %s: %s", v, self.host_id,
-                                             (await r.json(content_type=None)).get("reason"))
+                                             answer.get("reason") or answer.get("error"))
                         continue
-            async with s.post(f"{self.model_server}/v1/unload", json={"model_version": v}) as r:
+            async with s.post(f"{self.model_server}/v1/unload", json={"model_version": v}, headers=self.admin) as r:
                 if r.status == 200:
                     retired.append(v)
         return retired

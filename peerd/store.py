@@ -212,15 +212,30 @@ class VersionStore:
         self.write_chunk(index, data, digest)
         self.mark_verified(index)
 
+    def import_files(self, src: Path) -> int:
+        """Seed this version from a local copy of its files (a seeded host, tools, benchmarks): every
+        chunk is checked against the manifest like a fetched one. Returns the bytes imported."""
+        n = 0
+        for c in self.manifest.chunks:
+            if self.bits[c.index]:
+                continue
+            with open(Path(src) / c.file, "rb") as f:
+                f.seek(c.offset)
+                self.commit_chunk(c.index, f.read(c.size))
+            n += c.size
+        return n
+
     def write_verified(self) -> None:
-        """Hand-off to the model server: ``model/verified.json`` fingerprints (size, mtime) every file
-        of a complete version, so a file altered after verification is refused at load time."""
+        """Hand-off to the model server: ``model/verified.json`` says the version is complete and
+        fingerprints (size, mtime, ctime) every file: a cheap first refusal of a file altered after
+        verification (the loader then hashes every byte it loads, which ``touch -r`` cannot fool)."""
         if not self.complete:
             raise StoreError(f"version {self.vid[:12]} is not complete; nothing to hand over")
         files = {}
         for f in self.manifest.files:
             st = os.stat(self.model_dir / f.path)
-            files[f.path] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": f.digest}
+            files[f.path] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns,
+                             "sha256": f.digest}
         tmp = self.model_dir / ".verified.json.tmp"
         tmp.write_text(json.dumps({"version": self.manifest.version, "model": self.manifest.model,
                                    "version_id": self.vid, "files": files}))

@@ -1,10 +1,10 @@
 """Load a verified checkpoint onto the GPU (or the CPU), fail closed.
 
-Before any byte is used, every file's size and mtime must match the fingerprint peerd wrote when it
-verified the version (``verified.json``, format in docs/serving.md): a file altered after
-verification is refused. On CUDA the
-tensors are staged through a pair of reusable pinned buffers so one tensor's host-to-device copy
-overlaps the reading of the next.
+peerd's ``verified.json`` says the version finished verifying (a fast refusal when it did not, or when
+a file's size, mtime or ctime moved since). Then every byte that is loaded is hashed against the
+signed manifest's chunk digests while it is read (``serving.verified_read``), so tampering after
+verification is refused however the file's metadata looks. On CUDA the tensors are staged through a
+pair of reusable pinned buffers so one tensor's host-to-device copy overlaps the reading of the next.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from safetensors import safe_open
 
 from serving.checkpoint import INDEX, SMOKE
 from serving.model import ModelConfig, TinyTransformer
+from serving.verified_read import VerifiedFiles, VerifyError, safetensors_views
 
 VERIFIED = "verified.json"
 
@@ -49,15 +50,17 @@ def check_fingerprint(model_dir: Path, version: str) -> dict:
             st = os.stat(model_dir / rel)
         except FileNotFoundError:
             raise LoadError("altered", f"{rel} disappeared after verification") from None
-        if st.st_size != want["size"] or st.st_mtime_ns != want["mtime_ns"]:
+        if st.st_size != want["size"] or st.st_mtime_ns != want["mtime_ns"] or \
+                st.st_ctime_ns != want.get("ctime_ns", st.st_ctime_ns):
             raise LoadError("altered", f"{rel} changed after verification (size/mtime differ); re-verify before loading")
     return fp
 
 
-def checkpoint_bytes(model_dir: Path) -> int:
+def checkpoint_bytes(files: VerifiedFiles) -> tuple[int, dict]:
     try:
-        return int(json.loads((model_dir / INDEX).read_text())["metadata"]["total_size"])
-    except (OSError, ValueError, KeyError) as e:
+        index = json.loads(bytes(files.read(INDEX)))
+        return int(index["metadata"]["total_size"]), index
+    except (ValueError, KeyError, TypeError) as e:
         raise LoadError("bad_checkpoint", f"cannot read {INDEX}: {e}") from None
 
 
@@ -101,15 +104,15 @@ class LoadResult:
     seconds: float
 
 
-def read_tensors(model_dir: Path, device: torch.device, stage_bytes: int = 64 * 1024 * 1024) -> dict[str, torch.Tensor]:
-    index = json.loads((model_dir / INDEX).read_text())
+def read_tensors(files: VerifiedFiles, index: dict, device: torch.device,
+                 stage_bytes: int = 64 * 1024 * 1024) -> dict[str, torch.Tensor]:
+    """Every shard read once, hashed against the manifest as it is read, its tensors views of those
+    bytes (CPU) or staged to the device from them (CUDA)."""
     stager = PinnedStager(stage_bytes, device) if device.type == "cuda" else None
     state: dict[str, torch.Tensor] = {}
     for shard in sorted(set(index["weight_map"].values())):
-        with safe_open(str(model_dir / shard), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                t = f.get_tensor(name)
-                state[name] = stager.to_device(t) if stager else t
+        for name, t in safetensors_views(files.read(shard), shard).items():
+            state[name] = stager.to_device(t) if stager else t
     if stager:
         stager.finish()
     missing = set(index["weight_map"]) - set(state)
@@ -123,24 +126,32 @@ def load_model(model_dir: Path, version: str, device: torch.device | None = None
     """Fingerprint check, memory check, read, build, smoke test. Raises LoadError, leaving nothing loaded."""
     device = device or pick_device()
     check_fingerprint(model_dir, version)
-    nbytes = checkpoint_bytes(model_dir)
-    if memory_budget is not None and in_use + nbytes > memory_budget:
-        raise LoadError("oom", f"version {version} needs {nbytes} bytes; {in_use} of the {memory_budget}-byte budget "
-                               "are in use. Unload a version first")
     t0 = time.perf_counter()
     try:
-        smoke = json.loads((model_dir / SMOKE).read_text())
+        files = VerifiedFiles(model_dir)
+        if files.manifest.version != version:
+            raise LoadError("wrong_version", f"{model_dir} holds version {files.manifest.version!r} of its signed "
+                                             f"manifest, not {version!r}")
+        nbytes, index = checkpoint_bytes(files)
+        if memory_budget is not None and in_use + nbytes > memory_budget:
+            raise LoadError("oom", f"version {version} needs {nbytes} bytes; {in_use} of the {memory_budget}-byte "
+                                   "budget are in use. Unload a version first")
+        smoke = json.loads(bytes(files.read(SMOKE)))
         cfg = ModelConfig(**smoke["config"])
-        state = read_tensors(model_dir, device)
+        state = read_tensors(files, index, device)
         with torch.device("meta"):
             model = TinyTransformer(cfg)
         model.load_state_dict(state, assign=True, strict=True)
         model.eval()
+    except LoadError:
+        raise
+    except VerifyError as e:
+        raise LoadError(e.code, str(e)) from None
     except torch.OutOfMemoryError as e:
         raise LoadError("oom", f"out of device memory loading {version}: {e}") from None
     except MemoryError:
         raise LoadError("oom", f"out of host memory loading {version}") from None
-    except (OSError, ValueError, KeyError, RuntimeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
         raise LoadError("bad_checkpoint", f"cannot load {version}: {type(e).__name__}: {e}") from None
     if device.type == "cuda":
         torch.cuda.synchronize(device)

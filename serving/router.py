@@ -1,6 +1,7 @@
 """The readiness-gated inference router (aiohttp) around ``RoutingTable``.
 
-Readiness is polled continuously (``GET /health/ready?model_version=V`` on every host for every known
+The admin API (``/admin/...``) needs the admin token (``Authorization: Bearer``); inference and
+metrics are open. Readiness is polled continuously (``GET /health/ready?model_version=V`` on every host for every known
 version); a failed forward or a host that answers "not ready" leaves the pool at once and the request
 is retried on another host ready for the *same* version. The answer's ``X-Model-Version`` must match
 the version routed to, or it is discarded.
@@ -10,6 +11,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
+import re
 import sys
 
 import aiohttp
@@ -18,16 +21,21 @@ from prometheus_client import CollectorRegistry, Counter
 
 from peerd.metrics import metrics_handler
 from serving.capacity import CapacityRules
-from serving.routing import RoutingError, RoutingTable
-from serving.http_json import json_object
+from peerd.http_input import bearer_ok
+from serving.http_json import MAX_BODY, bad_request, json_object
+from serving.routing import ModelRoute, RoutingError, RoutingTable
+
+_HOST = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,127}\Z")
+_ADDR = re.compile(r"^https?://[A-Za-z0-9.\-\[\]:]{1,256}/?\Z")
 
 log = logging.getLogger("serving.router")
 
 
 class Router:
     def __init__(self, poll_interval: float = 0.2, retries: int = 3, rules: CapacityRules | None = None,
-                 seed: int | None = None):
+                 seed: int | None = None, admin_token: str = ""):
         self.table = RoutingTable(seed)
+        self.admin_token = admin_token          # empty disables admin auth (in-process tests only)
         self.poll_interval = poll_interval
         self.retries = retries
         self.rules = rules or CapacityRules()
@@ -87,8 +95,9 @@ class Router:
                     if r.status == 200 and r.headers.get("X-Model-Version") == v and body.get("model_version") == v:
                         self.m_requests.labels(model, v, "ok").inc()
                         return 200, {**body, "routed_host": host}
-                    if r.status == 400:
-                        return 400, body
+                    if r.status in (400, 413, 422):   # the client's request was bad: the host is fine
+                        self.m_requests.labels(model, v, "bad_request").inc()
+                        return r.status, body
                     last = f"{host} answered {r.status}"
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
                 last = f"{host}: {type(e).__name__}"
@@ -99,8 +108,22 @@ class Router:
 
 
 def make_app(router: Router) -> web.Application:
-    app = web.Application(client_max_size=1024 * 1024)
+    @web.middleware
+    async def admin_auth(request: web.Request, handler):
+        if request.path.startswith("/admin/") and router.admin_token and not bearer_ok(request, router.admin_token):
+            return web.json_response({"error": "the admin API needs the admin token (Authorization: Bearer <token>)"},
+                                     status=401)
+        return await handler(request)
+
+    app = web.Application(client_max_size=MAX_BODY, middlewares=[admin_auth])
     t = router.table
+
+    def model_host(request, host) -> str:
+        """A host registered for this model (permits for unknown or null hosts would leak capacity)."""
+        model = request.match_info["model"]
+        if not isinstance(host, str) or host not in t.models.get(model, ModelRoute()).hosts:
+            raise bad_request(f"host {host!r} is not registered for model {model!r}; PUT its address first")
+        return host
 
     async def body(request) -> dict:
         return await json_object(request)
@@ -112,6 +135,8 @@ def make_app(router: Router) -> web.Application:
         model = request.match_info["model"]
         b = await body(request)
         version = b.pop("model_version", None)
+        if version is not None and (not isinstance(version, str) or not _HOST.match(version)):
+            raise bad_request(f"model_version {version!r} must be a version name (or absent)")
         status, out = await router.forward(model, version, b)
         return web.json_response(out, status=status)
 
@@ -119,8 +144,9 @@ def make_app(router: Router) -> web.Application:
         model = request.match_info["model"]
         b = await body(request)
         for host, addr in b.items():
-            if not isinstance(addr, str) or not addr.startswith("http"):
-                return web.json_response({"error": f"host {host}: address must be http(s)://..."}, status=400)
+            if not isinstance(addr, str) or not _ADDR.match(addr) or not _HOST.match(host):
+                return web.json_response({"error": f"host {host!r}: id must be a plain name and the address "
+                                                   "http(s)://host:port"}, status=400)
         for host, addr in b.items():
             t.add_host(model, host, addr)
         return web.json_response({"hosts": t.models[model].hosts})
@@ -135,8 +161,9 @@ def make_app(router: Router) -> web.Application:
     async def add_version(request):
         b = await body(request)
         v = b.get("version")
-        if not isinstance(v, str) or not v:
-            return web.json_response({"error": "version must be a non-empty string"}, status=400)
+        if not isinstance(v, str) or not _HOST.match(v):
+            return web.json_response({"error": f"version {v!r} must be a plain name (letters, digits, . _ -)"},
+                                     status=400)
         t.add_version(request.match_info["model"], v)
         await router.poll_once()
         return web.json_response({"versions": t.models[request.match_info["model"]].weights})
@@ -163,7 +190,7 @@ def make_app(router: Router) -> web.Application:
     async def load_permit(request):
         model = request.match_info["model"]
         b = await body(request)
-        host = b.get("host")
+        host = model_host(request, b.get("host"))
         held = router.loading.setdefault(model, set())
         if host in held:
             return web.json_response({"granted": True})
@@ -184,12 +211,16 @@ def make_app(router: Router) -> web.Application:
             r = t.model(model)
         except RoutingError as e:
             return err(e)
-        v = b.get("version")
+        v, host = b.get("version"), b.get("host")
+        if not isinstance(v, str) or not _HOST.match(v) or not isinstance(host, str) or not _HOST.match(host):
+            raise bad_request("unload permits need host and version names")
+        if host not in r.hosts:
+            return web.json_response({"granted": True, "reason": f"{host} is not routed for {model}"})
         await router.poll_once()
         ok, why = router.rules.may_unload(len(r.ready_hosts(v)), r.weights.get(v, 0.0))
         if not ok:
             return web.json_response({"granted": False, "reason": why}, status=409)
-        t.set_ready(model, b.get("host"), v, False)    # drained before it is unloaded
+        t.set_ready(model, host, v, False)    # drained before it is unloaded
         return web.json_response({"granted": True})
 
     app.router.add_post("/v1/models/{model}/infer", infer)
@@ -220,6 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--listen", default="127.0.0.1")
     ap.add_argument("--max-concurrent-loads", type=int, default=2)
     ap.add_argument("--old-floor", type=int, default=1)
+    ap.add_argument("--admin-token", default=os.environ.get("WEIGHTCAST_ADMIN_TOKEN", ""),
+                    help="token for the admin API (default $WEIGHTCAST_ADMIN_TOKEN); required")
     return ap
 
 
@@ -227,7 +260,11 @@ def main(argv=None) -> int:
     from peerd.logging_setup import setup
     a = build_parser().parse_args(argv)
     setup()
-    web.run_app(make_app(Router(rules=CapacityRules(a.max_concurrent_loads, a.old_floor))),
+    if not a.admin_token:
+        print('{"level": "ERROR", "msg": "no admin token: set WEIGHTCAST_ADMIN_TOKEN (from a secret) or --admin-token"}',
+              file=sys.stderr)
+        return 2
+    web.run_app(make_app(Router(rules=CapacityRules(a.max_concurrent_loads, a.old_floor), admin_token=a.admin_token)),
                 host=a.listen, port=a.port, print=None)
     return 0
 

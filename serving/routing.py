@@ -5,6 +5,7 @@ request is routed to. There is no panic mode: no ready host means ``NoReadyHost`
 """
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 
@@ -68,8 +69,9 @@ class RoutingTable:
     def set_weights(self, model: str, weights: dict[str, float]) -> None:
         """Refuses (WeightRefused) any split the ready capacity cannot carry."""
         r = self.model(model)
-        if not weights or any(not isinstance(w, (int, float)) or w < 0 for w in weights.values()):
-            raise WeightRefused("weights must be a non-empty map of version to non-negative numbers")
+        if not weights or any(not isinstance(w, (int, float)) or isinstance(w, bool) or not math.isfinite(w) or w < 0
+                              for w in weights.values()):
+            raise WeightRefused("weights must be a non-empty map of version to finite non-negative numbers")
         unknown = set(weights) - set(r.weights)
         if unknown:
             raise UnknownVersion(f"unknown versions {sorted(unknown)}; register them first")

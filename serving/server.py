@@ -2,12 +2,17 @@
 
 ``GET /health/ready?model_version=V`` is 200 only when V is verified, loaded and passed its smoke test
 on this host: fail closed (no model, no ready). Inference answers carry ``X-Model-Version``.
+Load and unload need the admin token (``Authorization: Bearer``) and load only
+``<store>/versions/<version id>/model`` under the peerd store it is configured with; health, versions,
+metrics and inference are open (read-only or the product itself).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
+import os
 import re
 import sys
 from dataclasses import dataclass, field
@@ -16,14 +21,15 @@ from pathlib import Path
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from peerd.http_input import bearer_ok
 from peerd.metrics import metrics_handler
 from serving.engine import Engine, ReferenceEngine
-from serving.http_json import bad_request, json_object
+from serving.http_json import MAX_BODY, bad_request, json_object
 from serving.loader import LoadError
 
 log = logging.getLogger("serving.model_server")
+_VID = re.compile(r"^[0-9a-f]{64}\Z")
 _VERSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,127}\Z")
-MAX_BODY = 1024 * 1024
 
 
 @dataclass
@@ -41,6 +47,8 @@ class ModelServer:
     engine: Engine = field(default_factory=ReferenceEngine)
     max_versions: int = 2
     memory_budget: int | None = None
+    store_root: Path | None = None     # peerd's store: the only place versions are loaded from
+    admin_token: str = ""              # required for load/unload; empty disables auth (in-process tests only)
     versions: dict[str, VersionState] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -106,17 +114,47 @@ def make_app(ms: ModelServer) -> web.Application:
             return web.json_response({"ready": False, "state": vs.state, "reason": vs.reason, "code": vs.code}, status=503)
         return web.json_response({"ready": True, "version": v, "host": ms.host_id})
 
+    def admin(request) -> None:
+        if ms.admin_token and not bearer_ok(request, ms.admin_token):
+            raise web.HTTPUnauthorized(text=json.dumps({"error": "load and unload need the admin token "
+                                                                 "(Authorization: Bearer <token>)"}),
+                                       content_type="application/json")
+
+    def store_path(b: dict) -> Path:
+        """``version_id`` (or a legacy ``path``) → the version's model directory in peerd's store."""
+        if ms.store_root is None:
+            raise web.HTTPForbidden(text=json.dumps({"error": f"{ms.host_id} has no peerd store configured "
+                                                              "(--store); it loads nothing"}),
+                                    content_type="application/json")
+        root = (Path(ms.store_root) / "versions").resolve()
+        vid, path = b.get("version_id"), b.get("path")
+        if vid is not None:
+            if not isinstance(vid, str) or not _VID.match(vid):
+                raise bad_request(f"version_id {vid!r} must be 64 lowercase hex characters")
+            target = root / vid / "model"
+        elif isinstance(path, str) and path and "\x00" not in path:
+            target = Path(path).resolve()
+            if target.parent.parent != root or not _VID.match(target.parent.name) or target.name != "model":
+                raise bad_request(f"path {path!r} is not a version in this host's peerd store "
+                                  f"({root}/<version id>/model); send version_id instead")
+        else:
+            raise bad_request("give version_id: the version to load from peerd's store")
+        if not target.is_dir():
+            raise web.HTTPNotFound(text=json.dumps({"error": f"version {target.parent.name[:12]}… is not in "
+                                                             f"{ms.host_id}'s peerd store"}),
+                                   content_type="application/json")
+        return target
+
     async def load(request):
+        admin(request)
         b = await body(request)
         v = version_arg(b.get("model_version"))
-        path = b.get("path")
-        if not isinstance(path, str) or not Path(path).is_dir():
-            return web.json_response({"error": f"path {path!r} is not a directory on {ms.host_id}"}, status=400)
-        vs = await ms.load(v, Path(path))
+        vs = await ms.load(v, store_path(b))
         status = 200 if vs.state == "ready" else 409
         return web.json_response({"model_version": v, **vs.__dict__}, status=status)
 
     async def unload(request):
+        admin(request)
         b = await body(request)
         v = version_arg(b.get("model_version"))
         if not ms.unload(v):
@@ -132,7 +170,7 @@ def make_app(ms: ModelServer) -> web.Application:
         v = version_arg(b.get("model_version"))
         ids = b.get("input_ids")
         if (not isinstance(ids, list) or not ids or len(ids) > 64 or
-                not all(isinstance(r, list) and 0 < len(r) <= 64 and all(isinstance(x, int) and 0 <= x < 512 for x in r)
+                not all(isinstance(r, list) and 0 < len(r) <= 64 and all(type(x) is int and 0 <= x < 512 for x in r)
                         for r in ids) or len({len(r) for r in ids}) != 1):
             return web.json_response({"error": "input_ids must be 1-64 equal-length rows of 1-64 token ids in [0, 512)"},
                                      status=400)
@@ -161,6 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--listen", default="127.0.0.1")
     ap.add_argument("--max-versions", type=int, default=2)
     ap.add_argument("--memory-budget", type=int, default=None, help="bytes of weights this host may hold")
+    ap.add_argument("--store", type=Path, required=True, help="peerd's store root: versions load only from under it")
+    ap.add_argument("--admin-token", default=os.environ.get("WEIGHTCAST_ADMIN_TOKEN", ""),
+                    help="token for load/unload (default $WEIGHTCAST_ADMIN_TOKEN); required")
     return ap
 
 
@@ -168,7 +209,12 @@ def main(argv=None) -> int:
     from peerd.logging_setup import setup
     a = build_parser().parse_args(argv)
     setup()
-    ms = ModelServer(a.id, max_versions=a.max_versions, memory_budget=a.memory_budget)
+    if not a.admin_token:
+        print(json.dumps({"level": "ERROR", "msg": "no admin token: set WEIGHTCAST_ADMIN_TOKEN (from a secret) "
+                                                   "or --admin-token; load/unload must be authenticated"}), file=sys.stderr)
+        return 2
+    ms = ModelServer(a.id, max_versions=a.max_versions, memory_budget=a.memory_budget, store_root=a.store,
+                     admin_token=a.admin_token)
     web.run_app(make_app(ms), host=a.listen, port=a.port, print=None)
     return 0
 

@@ -22,13 +22,15 @@ def verified_version(tmp: Path, version: str, seed: int, key, config: ModelConfi
     if tamper:
         tamper(src)
     m = mf.build_from_directory(src, "tiny", version, chunk_size=32 * 1024)
-    store = ChunkStore(tmp / f"store-{version}")
+    store = ChunkStore(store_root(tmp))
     vs = store.open_version(m, json.dumps(mf.sign_manifest(m, key)).encode())
-    for c in m.chunks:
-        with open(src / c.file, "rb") as f:
-            f.seek(c.offset)
-            vs.commit_chunk(c.index, f.read(c.size))
+    vs.import_files(src)
     vs.write_verified()
     vs.close()
     shutil.rmtree(src)
     return vs.model_dir
+
+
+def store_root(tmp: Path) -> Path:
+    """The one peerd store that test versions live in (model servers load only from under it)."""
+    return tmp / "store"

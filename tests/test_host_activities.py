@@ -7,7 +7,7 @@ from temporalio.testing import ActivityEnvironment
 from activities.host import HostActivities
 from serving.router import Router, make_app as router_app
 from serving.server import ModelServer, make_app as server_app
-from tests.serving_fixtures import verified_version
+from tests.serving_fixtures import store_root, verified_version
 from weightcast.stack.embedded import serve_app
 from workflows.types import LoadInput
 
@@ -15,11 +15,11 @@ pytestmark = pytest.mark.asyncio
 
 
 async def test_successive_rollouts_retire_old_versions(tmp_path, keys):
-    ms = ModelServer("h1")
+    ms = ModelServer("h1", store_root=store_root(tmp_path), admin_token="adm")
     runners = []
     r, ms_addr = await serve_app(server_app(ms))
     runners.append(r)
-    router = Router(poll_interval=0.1)
+    router = Router(poll_interval=0.1, admin_token="adm")
     r, router_addr = await serve_app(router_app(router))
     runners.append(r)
     try:
@@ -27,7 +27,7 @@ async def test_successive_rollouts_retire_old_versions(tmp_path, keys):
 
         async def load(v: str, previous: str, with_router: bool = False) -> dict:
             d = dirs[v]
-            acts = HostActivities("h1", "http://127.0.0.1:9", "", d.parent.parent.parent, ms_addr)
+            acts = HostActivities("h1", "http://127.0.0.1:9", "", d.parent.parent.parent, ms_addr, admin_token="adm")
             inp = LoadInput(v, d.parent.name, keep=[v, previous] if previous else [v],
                             router=router_addr if with_router else "", model="tiny")
             return await ActivityEnvironment().run(acts.load_version, inp)

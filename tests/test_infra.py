@@ -92,3 +92,17 @@ def test_alerts_and_dashboard_use_metrics_that_exist():
     used = {m for e in exprs for m in re.findall(r"\b(?:peerd|model_server|router)_[a-z_]+", e)}
     assert len(used) >= 8
     assert used <= exported_metric_names(), f"unknown metrics: {sorted(used - exported_metric_names())}"
+
+
+def test_state_changing_apis_get_their_tokens_from_secrets():
+    """The model server, router and both workers read the admin token from a Secret, never a literal."""
+    needs_admin = {"serving.server", "serving.router", "workers.host_worker", "workers.control_worker"}
+    seen = set()
+    for name, c in k8s_containers():
+        if c["command"][2] not in needs_admin:
+            continue
+        env = {e["name"]: e for e in c.get("env", [])}
+        ref = env.get("WEIGHTCAST_ADMIN_TOKEN", {}).get("valueFrom", {}).get("secretKeyRef")
+        assert ref and ref["key"] == "admin-token", f"{name}: WEIGHTCAST_ADMIN_TOKEN must come from a secret"
+        seen.add(c["command"][2])
+    assert seen == needs_admin

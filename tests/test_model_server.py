@@ -4,9 +4,11 @@ import pytest
 from aiohttp import web
 
 from serving.server import ModelServer, make_app
-from tests.serving_fixtures import verified_version
+from tests.serving_fixtures import store_root, verified_version
 
 pytestmark = pytest.mark.asyncio
+ADMIN = "admin-secret"
+ADM = {"Authorization": f"Bearer {ADMIN}"}
 
 
 async def serve(app) -> tuple[web.AppRunner, str]:
@@ -25,12 +27,12 @@ async def call(s, method, url, **kw):
 async def test_readiness_is_per_version_and_fails_closed(tmp_path, keys):
     v1 = verified_version(tmp_path, "v1", seed=1, key=keys["private"])
     v2 = verified_version(tmp_path, "v2", seed=2, key=keys["private"])
-    ms = ModelServer("h1", memory_budget=None)
+    ms = ModelServer("h1", memory_budget=None, store_root=store_root(tmp_path), admin_token=ADMIN)
     runner, addr = await serve(make_app(ms))
     try:
         async with aiohttp.ClientSession() as s:
             assert (await call(s, "GET", addr + "/health/ready?model_version=v1"))[0] == 503   # nothing loaded
-            st, body, _ = await call(s, "POST", addr + "/v1/load", json={"model_version": "v1", "path": str(v1)})
+            st, body, _ = await call(s, "POST", addr + "/v1/load", json={"model_version": "v1", "path": str(v1)}, headers=ADM)
             assert st == 200 and body["state"] == "ready"
             assert (await call(s, "GET", addr + "/health/ready?model_version=v1"))[0] == 200
             assert (await call(s, "GET", addr + "/health/ready?model_version=v2"))[0] == 503
@@ -39,18 +41,18 @@ async def test_readiness_is_per_version_and_fails_closed(tmp_path, keys):
             st, body, _ = await call(s, "POST", addr + "/v1/infer", json={"model_version": "v9", "input_ids": [[1]]})
             assert st == 404 and "v9" in body["error"]
             # two versions side by side, then the old one unloaded
-            st, _, _ = await call(s, "POST", addr + "/v1/load", json={"model_version": "v2", "path": str(v2)})
+            st, _, _ = await call(s, "POST", addr + "/v1/load", json={"model_version": "v2", "path": str(v2)}, headers=ADM)
             assert st == 200
             a = (await call(s, "POST", addr + "/v1/infer", json={"model_version": "v1", "input_ids": [[5, 6]]}))[1]
             b = (await call(s, "POST", addr + "/v1/infer", json={"model_version": "v2", "input_ids": [[5, 6]]}))[1]
             assert a["logits_head"] != b["logits_head"]
-            assert (await call(s, "POST", addr + "/v1/unload", json={"model_version": "v1"}))[0] == 200
+            assert (await call(s, "POST", addr + "/v1/unload", json={"model_version": "v1"}, headers=ADM))[0] == 200
             assert (await call(s, "GET", addr + "/health/ready?model_version=v1"))[0] == 503
             # bad input: clear 4xx
             assert (await call(s, "POST", addr + "/v1/infer", json={"model_version": "v2", "input_ids": [[9999]]}))[0] == 400
             assert (await call(s, "POST", addr + "/v1/infer", data=b"{"))[0] == 400
             assert (await call(s, "GET", addr + "/health/ready?model_version=../x"))[0] == 400
-            assert (await call(s, "POST", addr + "/v1/load", json={"model_version": "v3", "path": "/nonexistent"}))[0] == 400
+            assert (await call(s, "POST", addr + "/v1/load", json={"model_version": "v3", "path": "/nonexistent"}, headers=ADM))[0] == 400
             async with s.get(addr + "/metrics") as r:
                 text = await r.text()
             assert 'model_server_requests_total{outcome="ok",version="v1"}' in text
@@ -61,17 +63,58 @@ async def test_readiness_is_per_version_and_fails_closed(tmp_path, keys):
 async def test_oom_during_load_keeps_the_old_version_serving(tmp_path, keys):
     v1 = verified_version(tmp_path, "v1", seed=1, key=keys["private"])
     v2 = verified_version(tmp_path, "v2", seed=2, key=keys["private"])
-    ms = ModelServer("h1")
+    ms = ModelServer("h1", store_root=store_root(tmp_path), admin_token=ADMIN)
     runner, addr = await serve(make_app(ms))
     try:
         async with aiohttp.ClientSession() as s:
-            assert (await call(s, "POST", addr + "/v1/load", json={"model_version": "v1", "path": str(v1)}))[0] == 200
+            assert (await call(s, "POST", addr + "/v1/load", json={"model_version": "v1", "path": str(v1)}, headers=ADM))[0] == 200
             ms.memory_budget = ms.in_use() + 10            # room for v1 only
-            st, body, _ = await call(s, "POST", addr + "/v1/load", json={"model_version": "v2", "path": str(v2)})
+            st, body, _ = await call(s, "POST", addr + "/v1/load", json={"model_version": "v2", "path": str(v2)}, headers=ADM)
             assert st == 409 and body["code"] == "oom" and "Unload" in body["reason"]
             assert (await call(s, "GET", addr + "/health/ready?model_version=v2"))[0] == 503
             assert (await call(s, "GET", addr + "/health/ready?model_version=v1"))[0] == 200
             st, body, _ = await call(s, "POST", addr + "/v1/infer", json={"model_version": "v1", "input_ids": [[1]]})
             assert st == 200
+    finally:
+        await runner.cleanup()
+
+
+async def test_load_and_unload_need_the_admin_token_and_load_only_from_the_store(tmp_path, keys):
+    v1 = verified_version(tmp_path, "v1", seed=1, key=keys["private"])
+    # a copy of a verified version outside peerd's store, verified.json and all: never loaded
+    rogue = tmp_path / "elsewhere" / "versions" / v1.parent.name / "model"
+    rogue.parent.mkdir(parents=True)
+    import shutil
+    shutil.copytree(v1, rogue)
+    shutil.copy(v1.parent / "manifest.json", rogue.parent / "manifest.json")
+    ms = ModelServer("h1", store_root=store_root(tmp_path), admin_token=ADMIN)
+    runner, addr = await serve(make_app(ms))
+    try:
+        async with aiohttp.ClientSession() as s:
+            for hdr in ({}, {"Authorization": "Bearer wrong"}):
+                st, body, _ = await call(s, "POST", addr + "/v1/load", json={"model_version": "v1",
+                                                                           "version_id": v1.parent.name}, headers=hdr)
+                assert st == 401 and "admin token" in body["error"]
+                assert (await call(s, "POST", addr + "/v1/unload", json={"model_version": "v1"}, headers=hdr))[0] == 401
+            for path in (str(rogue), str(v1 / ".." / ".." / ".." / ".." / "elsewhere"), str(tmp_path)):
+                st, body, _ = await call(s, "POST", addr + "/v1/load", json={"model_version": "v1", "path": path},
+                                         headers=ADM)
+                assert st == 400 and "peerd store" in body["error"]
+            st, body, _ = await call(s, "POST", addr + "/v1/load", headers=ADM,
+                                     json={"model_version": "v1", "version_id": "f" * 64})
+            assert st == 404
+            st, body, _ = await call(s, "POST", addr + "/v1/load", headers=ADM,
+                                     json={"model_version": "v1", "version_id": ["not", "a", "string"]})
+            assert st == 400
+            assert ms.versions == {}
+            st, body, _ = await call(s, "POST", addr + "/v1/load", headers=ADM,
+                                     json={"model_version": "v1", "version_id": v1.parent.name})
+            assert st == 200 and body["state"] == "ready"
+            # a malformed inference request is the client's fault: 400, and the server stays ready
+            for bad in ([[True]], [[1.0]], [["1"]], [[1], [1, 2]], "x"):
+                st, body, _ = await call(s, "POST", addr + "/v1/infer", json={"model_version": "v1", "input_ids": bad})
+                assert st == 400, bad
+            assert (await call(s, "POST", addr + "/v1/infer", data=b"[" * 50_000))[0] == 400
+            assert (await call(s, "GET", addr + "/health/ready?model_version=v1"))[0] == 200
     finally:
         await runner.cleanup()

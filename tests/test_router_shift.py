@@ -13,7 +13,7 @@ import torch
 from serving.router import Router, make_app as router_app
 from serving.server import ModelServer, make_app as server_app
 from serving.model import init_model
-from tests.serving_fixtures import SMALL, verified_version
+from tests.serving_fixtures import SMALL, store_root, verified_version
 from tests.test_model_server import serve
 
 pytestmark = pytest.mark.asyncio
@@ -24,7 +24,7 @@ async def test_full_shift_with_kills_misroutes_nothing(tmp_path, keys):
     dirs = {v: verified_version(tmp_path, v, seed=i + 1, key=keys["private"]) for i, v in enumerate(["v1", "v2"])}
     servers, runners, addrs = {}, {}, {}
     for h in HOSTS:
-        servers[h] = ModelServer(h)
+        servers[h] = ModelServer(h, store_root=store_root(tmp_path))
         runners[h], addrs[h] = await serve(server_app(servers[h]))
     router = Router(poll_interval=0.05, seed=7)
     rrunner, raddr = await serve(router_app(router))

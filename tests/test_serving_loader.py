@@ -73,3 +73,43 @@ def test_memory_budget_is_a_clean_oom(tmp_path, keys):
     with pytest.raises(LoadError) as e:
         load_model(d, "v1", torch.device("cpu"), memory_budget=1000)
     assert e.value.code == "oom"
+
+
+def _flip_last_byte(path):
+    st = path.stat()
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))     # `touch -r`: size and mtime as before
+
+
+def test_byte_flipped_with_mtime_restored_is_refused(tmp_path, keys):
+    d = verified_version(tmp_path, "v1", seed=1, key=keys["private"])
+    _flip_last_byte(sorted(d.glob("*.safetensors"))[0])
+    with pytest.raises(LoadError) as e:
+        load_model(d, "v1", torch.device("cpu"))
+    assert e.value.code == "altered"
+
+
+def test_every_loaded_byte_is_hashed_even_when_the_fingerprint_is_forged(tmp_path, keys):
+    """Whoever can write the files can rewrite verified.json too: the chunk digests still refuse."""
+    d = verified_version(tmp_path, "v1", seed=1, key=keys["private"])
+    shard = sorted(d.glob("*.safetensors"))[-1]
+    _flip_last_byte(shard)
+    fp = json.loads((d / "verified.json").read_text())
+    st = shard.stat()
+    fp["files"][shard.name].update(size=st.st_size, mtime_ns=st.st_mtime_ns, ctime_ns=st.st_ctime_ns)
+    (d / "verified.json").write_text(json.dumps(fp))
+    with pytest.raises(LoadError, match="does not match the signed manifest") as e:
+        load_model(d, "v1", torch.device("cpu"))
+    assert e.value.code == "altered"
+
+
+def test_a_manifest_rewritten_to_match_tampered_files_is_refused(tmp_path, keys):
+    d = verified_version(tmp_path, "v1", seed=1, key=keys["private"])
+    doc = json.loads((d.parent / "manifest.json").read_text())
+    doc["manifest"]["created_at"] = "forged"
+    (d.parent / "manifest.json").write_text(json.dumps(doc))
+    with pytest.raises(LoadError, match="not the version id") as e:
+        load_model(d, "v1", torch.device("cpu"))
+    assert e.value.code == "unverified"

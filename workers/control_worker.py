@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from pathlib import Path
 
@@ -17,16 +18,18 @@ from workflows.types import CONTROL_QUEUE
 WORKFLOWS = [RolloutWorkflow, HostBatchWorkflow]
 
 
-def build(client: Client, trusted_keys: list[Path], s3_credentials: tuple[str, str] | None = None) -> Worker:
-    """``s3_credentials`` (access key, secret) to read published manifests; default the AWS_* variables."""
-    acts = ControlActivities(trusted_keys, s3_credentials)
+def build(client: Client, trusted_keys: list[Path], s3_credentials: tuple[str, str] | None = None,
+          admin_token: str = "") -> Worker:
+    """``s3_credentials`` (access key, secret) to read published manifests, default the AWS_* variables;
+    ``admin_token`` for the router's admin API."""
+    acts = ControlActivities(trusted_keys, s3_credentials, admin_token)
     return Worker(client, task_queue=CONTROL_QUEUE, workflows=WORKFLOWS,
                   activities=[acts.check_manifest, acts.check_manifest_ref, acts.set_traffic])
 
 
-async def run(address: str, namespace: str, trusted_keys: list[Path]) -> None:
+async def run(address: str, namespace: str, trusted_keys: list[Path], admin_token: str) -> None:
     client = await Client.connect(address, namespace=namespace)
-    await build(client, trusted_keys).run()
+    await build(client, trusted_keys, admin_token=admin_token).run()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,12 +37,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--temporal", default="127.0.0.1:7233")
     ap.add_argument("--namespace", default="default")
     ap.add_argument("--trusted-key", type=Path, action="append", required=True)
+    ap.add_argument("--admin-token", default=os.environ.get("WEIGHTCAST_ADMIN_TOKEN", ""),
+                    help="the router's admin token (default $WEIGHTCAST_ADMIN_TOKEN)")
     return ap
 
 
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
-    asyncio.run(run(a.temporal, a.namespace, a.trusted_key))
+    asyncio.run(run(a.temporal, a.namespace, a.trusted_key, a.admin_token))
     return 0
 
 

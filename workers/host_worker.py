@@ -16,8 +16,9 @@ from activities.host import HostActivities
 from workflows.types import host_queue
 
 
-def build(client: Client, host_id: str, peerd_addr: str, token: str, store: Path, model_server: str) -> Worker:
-    acts = HostActivities(host_id, peerd_addr, token, store, model_server)
+def build(client: Client, host_id: str, peerd_addr: str, token: str, store: Path, model_server: str,
+          admin_token: str = "") -> Worker:
+    acts = HostActivities(host_id, peerd_addr, token, store, model_server, admin_token)
     return Worker(client, task_queue=host_queue(host_id), activities=[acts.distribute, acts.load_version],
                   max_concurrent_activities=8)
 
@@ -28,7 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--temporal", default="127.0.0.1:7233")
     ap.add_argument("--namespace", default="default")
     ap.add_argument("--peerd", default="http://127.0.0.1:7700")
-    ap.add_argument("--token", default=os.environ.get("WEIGHTCAST_TOKEN", ""))
+    ap.add_argument("--token", default=os.environ.get("WEIGHTCAST_TOKEN", ""), help="peerd's cluster token")
+    ap.add_argument("--admin-token", default=os.environ.get("WEIGHTCAST_ADMIN_TOKEN", ""),
+                    help="the model server's and router's admin token (load, unload, permits)")
     ap.add_argument("--store", type=Path, required=True, help="the same --store as this host's peerd")
     ap.add_argument("--model-server", default="http://127.0.0.1:8100")
     ap.add_argument("--ready-file", type=Path, help="write {id, task_queue} JSON here once polling")
@@ -43,7 +46,7 @@ def main(argv=None) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         client = await Client.connect(a.temporal, namespace=a.namespace)
-        async with build(client, a.id, a.peerd, a.token, a.store, a.model_server):
+        async with build(client, a.id, a.peerd, a.token, a.store, a.model_server, a.admin_token):
             if a.ready_file:
                 a.ready_file.write_text(json.dumps({"id": a.id, "task_queue": host_queue(a.id), "pid": os.getpid()}))
             await stop.wait()   # SIGTERM/SIGINT: stop polling, cancel running activities (they resume on retry)

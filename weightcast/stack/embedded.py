@@ -43,7 +43,8 @@ class EmbeddedStack:
     rate: float | None = None                # each host's up/down link, bytes/s (None: unlimited)
     ui: bool = False
     s3: SeaweedS3 | None = None              # reuse a running one (tests); else started here
-    token: str = field(default_factory=lambda: secrets.token_hex(16))
+    token: str = field(default_factory=lambda: secrets.token_hex(16))          # cluster (peerd)
+    admin_token: str = field(default_factory=lambda: secrets.token_hex(16))    # router admin, model-server loads
     temporal_port: int = 0                   # 0: a free port
     ui_port: int = 0
     router_port: int = 0
@@ -68,26 +69,28 @@ class EmbeddedStack:
         for p in self.peerd.values():
             p.launch()
         self.runners: list[web.AppRunner] = []
-        self.router = Router(poll_interval=0.1)
+        self.router = Router(poll_interval=0.1, admin_token=self.admin_token)
         r, self.router_addr = await serve_app(router_app(self.router), self.router_port)
         self.runners.append(r)
         self.model_servers: dict[str, ModelServer] = {}
         self.hosts: list[HostSpec] = []
         self.host_workers: dict[str, ModuleProc] = {}
         for i in self.host_ids:
-            self.model_servers[i] = ModelServer(i)
+            self.model_servers[i] = ModelServer(i, store_root=self.peerd[i].store, admin_token=self.admin_token)
             r, addr = await serve_app(server_app(self.model_servers[i]))
             self.runners.append(r)
             self.hosts.append(HostSpec(i, model_server=addr))
             self.host_workers[i] = ModuleProc(
                 f"host-worker {i}", "workers.host_worker", self.root / i,
                 ["--id", i, "--temporal", self.temporal_addr, "--peerd", self.peerd[i].addr, "--token", self.token,
-                 "--store", str(self.peerd[i].store), "--model-server", addr]).launch()
+                 "--store", str(self.peerd[i].store), "--model-server", addr],
+                env={"WEIGHTCAST_ADMIN_TOKEN": self.admin_token}).launch()
         for p in [*self.peerd.values(), *self.host_workers.values()]:
             await asyncio.to_thread(p.wait_ready)
         env = self.s3.env()
         self.control_worker = control_worker.build(self.client, [self.trusted_key],
-                                                   (env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"]))
+                                                   (env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"]),
+                                                   admin_token=self.admin_token)
         self._control_task = asyncio.create_task(self.control_worker.run())
         return self
 

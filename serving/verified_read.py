@@ -1,0 +1,115 @@
+"""Read a version's files from peerd's store and prove every byte against its signed manifest while
+reading: each file is read once into memory, its chunks hashed in parallel threads (hashlib releases
+the GIL) as they arrive, and the tensors are then views of those very bytes. A file changed after
+peerd verified it is refused, whatever its size, mtime or ``verified.json`` say.
+
+The chain of trust: the rollout checked the manifest's signature and names the version id; the store
+keeps each version under ``versions/<version id>/``; the manifest found there must hash to that id.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from peerd import manifest as mf
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+
+
+class VerifyError(RuntimeError):
+    """code: unverified (no manifest binds these files) | altered (bytes differ) | bad_checkpoint."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def _sha256(view: memoryview) -> str:
+    return hashlib.sha256(view).hexdigest()
+
+
+class VerifiedFiles:
+    """The files of the version stored at ``model_dir`` (``<store>/versions/<vid>/model``)."""
+
+    def __init__(self, model_dir: Path, threads: int | None = None):
+        self.model_dir = Path(model_dir)
+        vid = self.model_dir.parent.name
+        try:
+            doc = json.loads((self.model_dir.parent / "manifest.json").read_bytes())
+            self.manifest = mf.parse_body(doc["manifest"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise VerifyError("unverified", f"{model_dir} is not a version in peerd's store (no readable "
+                                            f"manifest.json beside it: {e})") from None
+        if self.manifest.digest != vid:
+            raise VerifyError("unverified", f"the manifest beside {model_dir} hashes to {self.manifest.digest[:12]}…, "
+                                            f"not the version id {vid[:12]}… its directory names")
+        self.files = {f.path: f for f in self.manifest.files}
+        self.threads = threads or min(8, os.cpu_count() or 2)
+        self.bytes_hashed = 0
+
+    def read(self, rel: str) -> bytearray:
+        """The whole file, every chunk checked against the manifest. Raises VerifyError."""
+        entry = self.files.get(rel)
+        if entry is None:
+            raise VerifyError("bad_checkpoint", f"{rel} is not listed in the signed manifest")
+        buf = bytearray(entry.size)
+        view = memoryview(buf)
+        chunks = self.manifest.chunks_of(rel)
+        try:
+            with open(self.model_dir / rel, "rb", buffering=0) as fh, ThreadPoolExecutor(self.threads) as pool:
+                pending = []
+                for c in chunks:              # read chunk i while earlier chunks hash in the pool
+                    piece = view[c.offset:c.offset + c.size]
+                    got = 0
+                    while got < c.size:
+                        n = fh.readinto(piece[got:])
+                        if not n:
+                            raise VerifyError("altered", f"{rel} is shorter than the {entry.size} bytes the manifest says")
+                        got += n
+                    pending.append((c, pool.submit(_sha256, piece)))
+                if fh.read(1):
+                    raise VerifyError("altered", f"{rel} is longer than the {entry.size} bytes the manifest says")
+                for c, fut in pending:
+                    if fut.result() != c.digest:
+                        raise VerifyError("altered", f"{rel}: chunk {c.index} (bytes {c.offset}..{c.offset + c.size}) "
+                                                     "does not match the signed manifest; the file changed after "
+                                                     "verification: remove the version from peerd and fetch it again")
+        except FileNotFoundError:
+            raise VerifyError("altered", f"{rel} disappeared after verification") from None
+        self.bytes_hashed += entry.size
+        return buf
+
+
+def safetensors_views(buf: bytearray, name: str) -> dict[str, torch.Tensor]:
+    """Tensors of a safetensors file held in ``buf``, as views of it (no copy). Checks the header."""
+    try:
+        n = int.from_bytes(buf[:8], "little")
+        header = json.loads(bytes(buf[8:8 + n]))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise VerifyError("bad_checkpoint", f"{name}: unreadable safetensors header: {e}") from None
+    base, out = 8 + n, {}
+    for key, meta in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            dtype = _DTYPES[meta["dtype"]]
+            start, end = (base + int(x) for x in meta["data_offsets"])
+            shape = [int(d) for d in meta["shape"]]
+        except (KeyError, TypeError, ValueError):
+            raise VerifyError("bad_checkpoint", f"{name}: tensor {key!r} has a malformed header entry") from None
+        count = 1
+        for d in shape:
+            count *= d
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if not base <= start <= end <= len(buf) or end - start != count * itemsize:
+            raise VerifyError("bad_checkpoint", f"{name}: tensor {key!r} lies outside the file or has the wrong size")
+        out[key] = (torch.frombuffer(buf, dtype=dtype, count=count, offset=start).view(shape) if count
+                    else torch.empty(shape, dtype=dtype))
+    return out
