@@ -18,7 +18,7 @@ from peerd.manifest_fetch import fetch_from_origin, verify_named
 from peerd.origin import OriginError, OriginSpec, S3Origin, warm_session
 from peerd.ratelimit import TokenBucket
 from peerd.signing import load_public_key
-from peerd.store import ChunkStore
+from peerd.store import ChunkStore, StoreError
 from peerd.wire import WireError, check_gossip, pack_bits
 
 log = logging.getLogger("peerd")
@@ -85,8 +85,10 @@ class Daemon:
             raw = (self.store.root / "versions" / vid / "manifest.json").read_bytes()
             try:
                 m = mf.load_signed(raw, self.trusted)
-                self.store.open_version(m, raw)
-            except (mf.ManifestError, OSError) as e:
+                vs = self.store.open_version(m, raw)
+                if vs.complete:
+                    vs.load_fingerprints()
+            except (mf.ManifestError, OSError, StoreError) as e:
                 log.warning("not serving stored version %s: %s", vid[:12], e)
 
     # ---------------------------------------------------------------- jobs
@@ -139,6 +141,18 @@ class Daemon:
             except (aiohttp.ClientError, asyncio.TimeoutError, mf.ManifestError) as e:
                 log.info("manifest from peer failed", extra={"peer": m.id, "error": str(e)})
         raise OriginError(f"cannot fetch manifest {vid[:12]}… from the origin ({origin_error}) nor from a peer")
+
+    async def corrupt_on_disk(self, vs, index: int) -> None:
+        """A verified chunk no longer matches the manifest (the file changed under peerd): stop serving it,
+        withdraw the version's hand-off, and fail its job so the next submit fetches the chunk again."""
+        await asyncio.to_thread(vs.unmark_verified, index)
+        self.metrics.corrupt_on_disk.inc()
+        job = self.jobs.get(vs.vid)
+        if job is not None and job.state == "complete":
+            job.state, job.error = "failed", {"code": "corrupt_on_disk",
+                                              "message": f"chunk {index} changed on disk after verification"}
+        log.error("verified chunk changed on disk; no longer served, fetch it again",
+                  extra={"vid": vs.vid, "chunk": index, "file": vs.manifest.chunks[index].file})
 
     def note_quarantine(self, peer_id: str, why: str) -> None:
         self.quarantined[peer_id] = why

@@ -16,7 +16,8 @@ from peerd.wire import MAX_GOSSIP_BYTES, MAX_JOB_BYTES, WireError, check_gossip,
 
 log = logging.getLogger("peerd.http")
 UPLOAD_PIECE = 128 * 1024
-_RANGE = re.compile(r"^bytes=(\d+)-(\d*)\Z")
+_INDEX = re.compile(r"^[0-9]{1,12}\Z")
+_RANGE = re.compile(r"^bytes=([0-9]{1,15})-([0-9]{0,15})\Z")
 
 
 def _error(status: int, message: str, **extra) -> web.Response:
@@ -95,14 +96,17 @@ def make_app(daemon) -> web.Application:
 
     async def chunk(request):
         vs = version_store(request)
-        try:
-            index = int(request.match_info["index"])
-        except ValueError:
-            raise WireError("chunk index must be an integer") from None
+        raw_index = request.match_info["index"]
+        if not _INDEX.match(raw_index):
+            raise WireError(f"chunk index {raw_index[:32]!r} must be a decimal integer")
+        index = int(raw_index)
         if not 0 <= index < len(vs.bits):
             return _error(400, f"chunk index {index} out of range [0, {len(vs.bits)})")
         if not vs.has(index):   # only verified chunks ever leave this host
             return _error(404, f"chunk {index} is not verified here yet")
+        if (vs.fingerprints or vs.suspect) and not await asyncio.to_thread(vs.unchanged_or_rechecked, index):
+            await d.corrupt_on_disk(vs, index)
+            return _error(404, f"chunk {index} changed on disk after verification; not served")
         loc = vs.location(index)
         start, end = 0, loc.size - 1
         rng = request.headers.get("Range")

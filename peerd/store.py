@@ -72,6 +72,8 @@ class VersionStore:
         self.bits = np.zeros(len(manifest.chunks), dtype=bool)
         self.done_chunks = 0
         self.done_bytes = 0
+        self.fingerprints: dict[str, tuple[int, int, int]] = {}   # file -> (size, mtime, ctime) when verified
+        self.suspect = False          # a chunk was found corrupt on disk: re-check every chunk before serving
         self._digest_idx: dict[str, int] | None = None
 
     # -- lifecycle
@@ -228,7 +230,8 @@ class VersionStore:
     def write_verified(self) -> None:
         """Hand-off to the model server: ``model/verified.json`` says the version is complete and
         fingerprints (size, mtime, ctime) every file: a cheap first refusal of a file altered after
-        verification (the loader then hashes every byte it loads, which ``touch -r`` cannot fool)."""
+        verification (the loader then hashes every byte it loads, which ``touch -r`` cannot fool).
+        The same fingerprints tell the upload path when a file changed under it."""
         if not self.complete:
             raise StoreError(f"version {self.vid[:12]} is not complete; nothing to hand over")
         files = {}
@@ -237,9 +240,52 @@ class VersionStore:
             files[f.path] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns,
                              "sha256": f.digest}
         tmp = self.model_dir / ".verified.json.tmp"
-        tmp.write_text(json.dumps({"version": self.manifest.version, "model": self.manifest.model,
-                                   "version_id": self.vid, "files": files}))
-        os.replace(tmp, self.model_dir / "verified.json")
+        try:
+            tmp.write_text(json.dumps({"version": self.manifest.version, "model": self.manifest.model,
+                                       "version_id": self.vid, "files": files}))
+            os.replace(tmp, self.model_dir / "verified.json")
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            _raise_if_enospc(e, "writing verified.json")
+            raise
+        self.fingerprints = {p: (v["size"], v["mtime_ns"], v["ctime_ns"]) for p, v in files.items()}
+        self.suspect = False
+
+    def load_fingerprints(self) -> None:
+        """After a restart: the fingerprints recorded when the version completed (none: none to trust)."""
+        try:
+            files = json.loads((self.model_dir / "verified.json").read_text())["files"]
+            self.fingerprints = {p: (v["size"], v["mtime_ns"], v["ctime_ns"]) for p, v in files.items()}
+        except (OSError, ValueError, KeyError, TypeError):
+            self.fingerprints = {}
+
+    def unchanged_or_rechecked(self, index: int) -> bool:
+        """Before a verified chunk leaves this host (blocking: call from a worker thread): True when its
+        file is as it was at verification, or, when the file changed since, the chunk's bytes still
+        match the manifest."""
+        c = self.manifest.chunks[index]
+        fp = self.fingerprints.get(c.file)
+        if fp is None and not self.suspect:
+            return True       # still downloading: bytes were verified as they arrived, nothing else writes
+        st = os.stat(self.model_dir / c.file)
+        if not self.suspect and (st.st_size, st.st_mtime_ns, st.st_ctime_ns) == fp:
+            return True
+        with open(self.model_dir / c.file, "rb") as f:
+            data = os.pread(f.fileno(), c.size, c.offset)
+        return len(data) == c.size and hashlib.sha256(data).hexdigest() == c.digest
+
+    def unmark_verified(self, index: int) -> None:
+        """A chunk found corrupt on disk: not verified any more, in memory (owner's thread) and durably,
+        and the hand-off to the model server is withdrawn until the version is whole again."""
+        if self.bits[index]:
+            self.bits[index] = False
+            self.done_chunks -= 1
+            self.done_bytes -= self.manifest.chunks[index].size
+        if self._bitmap_fd is not None:
+            os.pwrite(self._bitmap_fd, b"\x00", index)
+            os.fdatasync(self._bitmap_fd)
+        (self.model_dir / "verified.json").unlink(missing_ok=True)
+        self.suspect = True
 
     def verify_files(self) -> list[str]:
         """Re-hash every file against the manifest's whole-file digests; return the bad paths."""

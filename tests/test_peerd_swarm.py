@@ -157,3 +157,42 @@ async def test_delta_rollout_copies_unchanged_chunks_locally(tmp_path, seaweed, 
         assert st["bytes_by_source"]["local"] == m2.total_size - m2.chunks[0].size
     finally:
         fleet.stop()
+
+
+async def test_bytes_changed_on_disk_after_verification_are_not_served(tmp_path, seaweed, keys, signed, checkpoint,
+                                                                       prefix):
+    """A byte flipped in a verified file with its mtime put back (`touch -r`): peerd notices before the
+    chunk leaves the host, stops serving it, fails the job, and a re-submit fetches just that chunk."""
+    import os
+    m, doc = signed
+    origin = await publish(seaweed, checkpoint, prefix)
+    fleet = Fleet(tmp_path, seaweed, keys["pub_path"], ["a"]).start()
+    try:
+        async with fleet.client("a") as c:
+            await c.start_job(doc, origin, seeders=["a"])
+            assert (await c.wait(m.digest, 60))["state"] == "complete"
+            victim = m.chunks[1]
+            path = tmp_path / "a" / "store" / "versions" / m.digest / "model" / victim.file
+            st = path.stat()
+            with open(path, "r+b") as f:
+                f.seek(victim.offset + 7)
+                b = f.read(1)
+                f.seek(victim.offset + 7)
+                f.write(bytes([b[0] ^ 0xFF]))
+            os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+            url = f"{fleet.procs['a'].addr}/v1/versions/{m.digest}/chunks/"
+            async with aiohttp.ClientSession(headers=c.headers) as s:
+                async with s.get(url + str(victim.index)) as r:
+                    assert r.status == 404 and "changed on disk" in (await r.json())["error"]
+                other = next(x for x in m.chunks if x.file != victim.file)
+                async with s.get(url + str(other.index)) as r:
+                    assert r.status == 200 and len(await r.read()) == other.size
+            job = await c.job(m.digest)
+            assert job["state"] == "failed" and job["error"]["code"] == "corrupt_on_disk"
+            assert not (path.parent / "verified.json").exists()
+            await c.start_job(doc, origin, seeders=["a"])      # the rollout's retry
+            again = await c.wait(m.digest, 60)
+            assert again["state"] == "complete" and again["bytes_by_source"]["origin"] == victim.size
+        assert host_files_match(fleet, "a", m, checkpoint)
+    finally:
+        fleet.stop()
