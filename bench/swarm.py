@@ -92,50 +92,62 @@ async def run_swarm_bench(cfg: SwarmBenchConfig, progress=None) -> dict:
         lower = m.total_size / cfg.rate
         victims = [p for p in procs if p.id not in corrupt][-cfg.kill:] if cfg.kill else []
         killed: set[str] = set()
+        crashed: dict[str, dict] = {}   # daemons that died on their own: how, and their last log lines
         last: dict[str, dict] = {}
         origin_done = None          # when the origin had delivered one full copy, fleet-wide
+        timed_out = False
         while True:
             now = time.time() - t0
             if victims and not killed and now > 0.4 * lower:
                 for v in victims:
                     v.kill()
                     killed.add(v.id)
-            sts = await asyncio.gather(*(c.job(m.digest) for p, c in zip(procs, clients) if p.id not in killed),
+            for p in procs:
+                if p.id not in killed and p.id not in crashed and (death := p.death()) is not None:
+                    crashed[p.id] = death
+            gone = killed | set(crashed)
+            sts = await asyncio.gather(*(c.job(m.digest) for p, c in zip(procs, clients) if p.id not in gone),
                                        return_exceptions=True)
-            for p, st in zip([p for p in procs if p.id not in killed], sts):
+            for p, st in zip([p for p in procs if p.id not in gone], sts):
                 if isinstance(st, dict):
                     last[p.id] = st
-            live = [p.id for p in procs if p.id not in killed]
+            live = [p.id for p in procs if p.id not in gone]
             if origin_done is None and sum(st["bytes_by_source"]["origin"] for st in last.values()) >= m.total_size:
                 origin_done = now
             if progress:
                 progress(now, sum(last[i]["bytes_done"] for i in live if i in last), len(live) * m.total_size)
             if all(i in last and last[i]["state"] in ("complete", "failed") for i in live):
                 break
-            if now > cfg.timeout:
-                raise TimeoutError(f"swarm not complete after {cfg.timeout}s")
+            if now > cfg.timeout:      # the deadline: report who is where, do not wait forever
+                timed_out = True
+                break
             await asyncio.sleep(0.1)
-        survivors = [i for i in ids if i not in killed]
+        survivors = [i for i in ids if i not in killed and i not in crashed]
         quarantined = set()
         for p, c in zip(procs, clients):
-            if p.id in survivors and p.id not in corrupt:
+            if p.id in survivors and p.id not in corrupt and p.running:
                 quarantined |= set((await c.status())["quarantined"])
         for c in clients:
             await c.__aexit__(None, None, None)
-        times = sorted(last[i]["finished"] - t0 for i in survivors if last[i]["state"] == "complete")
-        failed = [i for i in survivors if last[i]["state"] != "complete"]
+        times = sorted(last[i]["finished"] - t0 for i in survivors if i in last and last[i]["state"] == "complete")
+        failed = [i for i in survivors if i not in last or last[i]["state"] != "complete"]
         origin_bytes = sum(st["bytes_by_source"]["origin"] for st in last.values())
-        checks = {i: _verify_host(work / "hosts" / i / "store", m) for i in survivors if i not in corrupt}
+        checks = {i: _verify_host(work / "hosts" / i / "store", m) for i in survivors
+                  if i not in corrupt and i not in failed}
         pct = lambda q: times[min(len(times) - 1, int(q * len(times)))] if times else None
         return {"hosts": cfg.hosts, "size": m.total_size, "version_id": m.digest, "workdir": str(work), "rate": cfg.rate, "chunk": cfg.chunk, "chunks": len(m.chunks),
                 "killed": sorted(killed), "corrupt_peers": sorted(corrupt), "failed": failed,
+                "crashed": crashed, "timed_out": timed_out, "deadline_s": cfg.timeout,
+                "incomplete": {i: {"state": last[i]["state"] if i in last else "unknown",
+                                   "chunks_done": last[i]["chunks_done"] if i in last else None,
+                                   "error": last[i].get("error") if i in last else None} for i in failed},
                 "lower_bound_s": lower, "p50_s": pct(0.5), "p90_s": pct(0.9), "max_s": times[-1] if times else None,
                 "ratio": (times[-1] / lower) if times else None,
                 "origin_copies": origin_bytes / m.total_size,
                 # where the time goes: the origin's one copy (ideally at lower_bound_s), then the spread of the
                 # last chunks (tail_s); polled every 0.1 s
                 "origin_done_s": origin_done, "tail_s": (times[-1] - origin_done) if times and origin_done else None,
-                "all_verified": all(ok for ok, _ in checks.values()) and not failed,
+                "all_verified": all(ok for ok, _ in checks.values()) and not failed and not crashed,
                 "corrupt_chunks_accepted": sum(bad for _, bad in checks.values()),
                 "quarantined_by_honest_hosts": sorted(quarantined)}
     finally:

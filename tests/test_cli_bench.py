@@ -46,3 +46,42 @@ def test_bench_rollout_reports_where_the_time_goes(capsys):
     assert r["ok"] and r["hosts"] == 2 and r["lower_bound_s"] == round(r["bytes"] / r["rate"], 2)
     assert r["rollout_s"] > r["swarm_s"] > 0 and abs(r["overhead_s"] - (r["rollout_s"] - r["swarm_s"])) < 0.02
     assert {"manifest", "distribute", "load"} <= set(r["phase_seconds"])
+
+
+def _pid_of(needle: str) -> int | None:
+    import os
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if needle.encode() in f.read().replace(b"\0", b" "):
+                    return int(pid)
+        except OSError:
+            continue
+    return None
+
+
+def test_bench_says_which_daemon_died_how_and_its_last_words(tmp_path):
+    """A daemon that dies on its own (here: SIGSEGV from outside, standing in for a native crash) is
+    reported with its exit signal and log tail (faulthandler's dump), and the run still ends."""
+    import asyncio
+    import os
+    import signal
+
+    from bench.swarm import SwarmBenchConfig, run_swarm_bench
+    cfg = SwarmBenchConfig(hosts=3, size=6 << 20, rate=2 << 20, chunk=256 << 10, timeout=60, workdir=tmp_path / "w")
+    shot = []
+
+    def progress(now, done, total):
+        if not shot and done > 0:
+            pid = _pid_of(f"--id h2 --store {tmp_path}")
+            assert pid, "peerd h2 not found"
+            os.kill(pid, signal.SIGSEGV)
+            shot.append(pid)
+
+    r = asyncio.run(run_swarm_bench(cfg, progress=progress))
+    assert shot and set(r["crashed"]) == {"h2"} and not r["all_verified"]
+    death = r["crashed"]["h2"]
+    assert death["how"] == "signal SIGSEGV"
+    assert any("Segmentation fault" in line or "Fatal Python error" in line for line in death["last_log_lines"])
+    assert not r["timed_out"] and sorted(r["incomplete"]) == []     # the two living hosts finished
+    assert _pid_of(str(tmp_path / "w")) is None                      # nothing left running

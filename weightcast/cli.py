@@ -5,6 +5,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -93,15 +94,29 @@ def cmd_sim(a) -> int:
     return 0
 
 
+def _swarm_config(a):
+    from bench.swarm import SwarmBenchConfig
+    deadline = a.deadline or 60 + 5 * a.size / a.rate     # never wait forever on a hung or dead host
+    return SwarmBenchConfig(hosts=a.hosts, size=a.size, rate=a.rate, chunk=a.chunk, kill=a.kill,
+                            corrupt_peers=a.corrupt_peers, timeout=deadline)
+
+
 def cmd_bench_swarm(a) -> int:
-    from bench.swarm import SwarmBenchConfig, run_swarm_bench
-    cfg = SwarmBenchConfig(hosts=a.hosts, size=a.size, rate=a.rate, chunk=a.chunk, kill=a.kill,
-                           corrupt_peers=a.corrupt_peers)
+    from bench.swarm import run_swarm_bench
     bar = Progress("swarm")
-    res = asyncio.run(run_swarm_bench(cfg, progress=bar))
+    res = asyncio.run(run_swarm_bench(_swarm_config(a), progress=bar))
     bar.close()
     print(json.dumps(res, indent=None if a.json else 1))
     return 0 if res["all_verified"] and res["corrupt_chunks_accepted"] == 0 else 1
+
+
+def cmd_bench_soak(a) -> int:
+    from bench.soak import run_soak
+    bar, t0 = Progress("soak"), time.monotonic()
+    res = asyncio.run(run_soak(_swarm_config(a), a.swarms, progress=lambda k, n: bar(time.monotonic() - t0, k, n)))
+    bar.close()
+    print(json.dumps(res, indent=None if a.json else 1))
+    return 0 if res["crashed_daemons"] == 0 and res["unverified_swarms"] == 0 else 1
 
 
 def cmd_bench_load(a) -> int:
@@ -342,8 +357,21 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--chunk", type=parse_size, default=parse_size("1M"))
     bs.add_argument("--kill", type=int, default=0, help="hosts SIGKILLed at 40%% of the lower bound")
     bs.add_argument("--corrupt-peers", type=int, default=0, help="hosts that serve flipped bytes")
+    bs.add_argument("--deadline", type=float, default=None, help="seconds before giving up (default 60 + 5 S/R)")
     bs.add_argument("--json", action="store_true")
     bs.set_defaults(fn=cmd_bench_swarm)
+
+    sk = bench.add_parser("soak", help="many swarms back to back with kills and corrupt peers; counts crashed daemons")
+    sk.add_argument("--swarms", type=int, default=10)
+    sk.add_argument("--hosts", type=int, default=16)
+    sk.add_argument("--size", type=parse_size, default=parse_size("32M"))
+    sk.add_argument("--rate", type=parse_rate, default=parse_rate("8M"))
+    sk.add_argument("--chunk", type=parse_size, default=parse_size("256K"))
+    sk.add_argument("--kill", type=int, default=1, help="hosts SIGKILLed at 40%% of the lower bound, per swarm")
+    sk.add_argument("--corrupt-peers", type=int, default=1, help="hosts that serve flipped bytes, per swarm")
+    sk.add_argument("--deadline", type=float, default=None, help="seconds per swarm (default 60 + 5 S/R)")
+    sk.add_argument("--json", action="store_true")
+    sk.set_defaults(fn=cmd_bench_soak)
 
     bl = bench.add_parser("load", help="model load throughput vs page-cache read of the same files")
     bl.add_argument("--size", type=parse_size, default=parse_size("256M"))
@@ -424,8 +452,14 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _raise_interrupt(signum, _frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C: finally blocks stop the daemons and servers a command started
+    signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         return a.fn(a)
     except (mf.ManifestError, KeyError_) as e:

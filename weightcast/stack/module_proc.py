@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from weightcast.stack.processes import stop_process
+from weightcast.stack.processes import child_options, describe_exit, last_lines, stop_process
 
 
 @dataclass
@@ -40,7 +40,8 @@ class ModuleProc:
         self._ready.unlink(missing_ok=True)
         cmd = [sys.executable, "-m", self.module, *self.args, "--ready-file", str(self._ready)]
         with open(self.log_path, "ab") as log:   # the child keeps its own descriptor
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env})
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
+                                         **child_options())
         return self
 
     def wait_ready(self, timeout: float = 30.0) -> "ModuleProc":
@@ -56,6 +57,13 @@ class ModuleProc:
     @property
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    def death(self, lines: int = 40) -> dict | None:
+        """None while running; else how it ended and the last lines of its log."""
+        if self.proc is None or self.proc.poll() is None:
+            return None
+        return {"process": self.name, "how": describe_exit(self.proc.returncode),
+                "log": str(self.log_path), "last_log_lines": last_lines(self.log_path, lines)}
 
     def kill(self) -> None:
         """SIGKILL: the crash the system must survive."""

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from weightcast.stack.ports import free_ports
-from weightcast.stack.processes import stop_process, venv_binary
+from weightcast.stack.processes import child_options, stop_process, venv_binary
 
 ACCESS_KEY = "weightcast"
 SECRET_KEY = "weightcast-dev-secret"
@@ -42,7 +42,7 @@ class SeaweedS3:
         with open(self.dir / "weed.log", "ab") as log:   # the child keeps its own descriptor
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=self.dir,
                                          env={**os.environ, **self.env(), "S3_BUCKET": self.bucket},
-                                         start_new_session=True)
+                                         start_new_session=True, **child_options())
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
