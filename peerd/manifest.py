@@ -185,7 +185,9 @@ def load_signed(data: bytes, trusted: list[Ed25519PublicKey]) -> Manifest:
         raise ManifestError("signature must be an object with string 'key_id' and 'sig'")
     if not trusted:
         raise ManifestError("no trusted public keys configured; refusing to accept any manifest")
-    if not signing.verify(trusted, m.canonical_bytes(), sig["sig"], sig["key_id"]):
+    canonical = m.canonical_bytes()
+    m.__dict__["digest"] = hashlib.sha256(canonical).hexdigest()   # the version id, from the bytes just built
+    if not signing.verify(trusted, canonical, sig["sig"], sig["key_id"]):
         known = ", ".join(signing.public_key_id(k) for k in trusted)
         raise ManifestError(f"bad signature: manifest signed by key {sig['key_id']!r} does not verify "
                             f"against the trusted keys ({known})")

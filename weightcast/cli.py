@@ -110,6 +110,13 @@ def cmd_bench_swarm(a) -> int:
     return 0 if res["all_verified"] and res["corrupt_chunks_accepted"] == 0 else 1
 
 
+def cmd_bench_manifest(a) -> int:
+    from bench.manifest_scale import run_manifest_bench
+    res = run_manifest_bench([int(x) for x in a.chunks.split(",")], a.files)
+    print(json.dumps(res, indent=None if a.json else 1))
+    return 0
+
+
 def cmd_bench_soak(a) -> int:
     from bench.soak import run_soak
     bar, t0 = Progress("soak"), time.monotonic()
@@ -360,6 +367,12 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--deadline", type=float, default=None, help="seconds before giving up (default 60 + 5 S/R)")
     bs.add_argument("--json", action="store_true")
     bs.set_defaults(fn=cmd_bench_swarm)
+
+    bm = bench.add_parser("manifest", help="manifest cost at real chunk counts: parse, verify, layout, status; time and RSS")
+    bm.add_argument("--chunks", default="6000,60000,400000", help="comma-separated chunk counts")
+    bm.add_argument("--files", type=int, default=64, help="files the checkpoint is split into")
+    bm.add_argument("--json", action="store_true")
+    bm.set_defaults(fn=cmd_bench_manifest)
 
     sk = bench.add_parser("soak", help="many swarms back to back with kills and corrupt peers; counts crashed daemons")
     sk.add_argument("--swarms", type=int, default=10)
