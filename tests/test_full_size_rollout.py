@@ -9,6 +9,7 @@ from temporalio.api.enums.v1 import EventType
 
 from peerd.origin import OriginSpec
 from serving.checkpoint import write_checkpoint
+from tests.history_sizes import payload_sizes
 from tests.serving_fixtures import SMALL
 from weightcast.publish import PublishRequest, publish_and_start
 from weightcast.stack.embedded import EmbeddedStack
@@ -16,30 +17,6 @@ from weightcast.stack.seaweed import ACCESS_KEY, SECRET_KEY
 
 pytestmark = pytest.mark.asyncio
 CHUNKS = 6_400
-
-
-def payload_sizes(history) -> list[int]:
-    """Byte sizes of every payload recorded in a history (inputs, results, heartbeats, signals)."""
-    sizes = []
-
-    def walk(msg):
-        for field, value in msg.ListFields():
-            if field.message_type is None:
-                continue
-            if hasattr(value, "ListFields"):
-                items = [value]
-            elif hasattr(value, "values") and callable(value.values):    # map fields (memo, headers)
-                items = list(value.values())
-            else:                                                         # repeated fields
-                items = list(value)
-            for v in items:
-                if field.message_type.full_name == "temporal.api.common.v1.Payload":
-                    sizes.append(v.ByteSize())
-                elif hasattr(v, "ListFields"):
-                    walk(v)
-    for e in history.events:
-        walk(e)
-    return sizes
 
 
 async def test_full_size_manifest_rolls_out_by_reference(tmp_path, seaweed, keys):

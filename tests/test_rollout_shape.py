@@ -16,7 +16,10 @@ from temporalio.worker import Worker
 from weightcast.stack.temporal import SEARCH_ATTRIBUTES, temporal_binary
 from workers import control_worker
 from workflows.rollout import RolloutWorkflow
-from workflows.types import CONTROL_QUEUE, DistributeInput, DistributeResult, HostSpec, LoadInput, RolloutInput
+from tests.history_sizes import payload_sizes
+from weightcast.stack.seaweed import ACCESS_KEY, SECRET_KEY
+from workflows.types import (CONTROL_QUEUE, DistributeInput, DistributeResult, HostSpec, LoadInput, ManifestRef,
+                             RolloutInput)
 
 pytestmark = pytest.mark.asyncio
 HOSTS = 2000
@@ -56,17 +59,31 @@ class LightFleet:
             self.loading -= 1
 
 
-async def test_two_thousand_hosts_within_temporal_limits(signed, keys):
-    _, doc = signed
+async def full_size_manifest(tmp_path, seaweed, keys) -> tuple[dict, ManifestRef]:
+    """A manifest with as many chunks as 400 GB at 64 MiB, published where the control worker reads it."""
+    from peerd import manifest as mf
+    from peerd.origin import OriginSpec, S3Origin
+    from weightcast.checkpoint_random import write_random_checkpoint
+    ckpt = write_random_checkpoint(tmp_path / "big", 6_400 * 16, files=4, seed=9)
+    m = mf.build_from_directory(ckpt, "tiny", "v1", chunk_size=16)
+    spec = OriginSpec(seaweed.endpoint, seaweed.bucket, f"shape/{uuid.uuid4().hex[:6]}")
+    async with S3Origin(spec, ACCESS_KEY, SECRET_KEY) as o:
+        await o.ensure_bucket()
+        await o.put_bytes(o.spec.key("signed.json"), mf.signed_bytes(m, keys["private"]))
+    origin = {"endpoint": spec.endpoint, "bucket": spec.bucket, "prefix": spec.prefix}
+    return origin, ManifestRef(m.digest, "signed.json")
+
+
+async def test_two_thousand_hosts_within_temporal_limits(tmp_path, seaweed, keys):
+    origin, ref = await full_size_manifest(tmp_path, seaweed, keys)
     fleet = LightFleet()
     async with await WorkflowEnvironment.start_local(dev_server_existing_path=temporal_binary(),
                                                      search_attributes=SEARCH_ATTRIBUTES) as env:
         hosts = [HostSpec(f"gpu-{i:04d}", rack=f"r{i % 25}", task_queue=FLEET_QUEUE) for i in range(HOSTS)]
-        inp = RolloutInput(model=doc["manifest"]["model"], version=doc["manifest"]["version"],
-                           signed_manifest=json.dumps(doc), origin={"endpoint": "http://127.0.0.1:9", "bucket": "b"},
+        inp = RolloutInput(model="tiny", version="v1", signed_manifest="", origin=origin, manifest=ref,
                            hosts=hosts, max_concurrent_loads=MAX_LOADS, batch_size=200, max_history_events=4000)
         wid = f"rollout-shape-{uuid.uuid4().hex[:6]}"
-        async with control_worker.build(env.client, [keys["pub_path"]]), \
+        async with control_worker.build(env.client, [keys["pub_path"]], (ACCESS_KEY, SECRET_KEY)), \
                 Worker(env.client, task_queue=FLEET_QUEUE, activities=[fleet.distribute, fleet.load_version],
                        max_concurrent_activities=400):
             handle = await env.client.start_workflow(RolloutWorkflow.run, inp, id=wid, task_queue=CONTROL_QUEUE)
@@ -78,15 +95,22 @@ async def test_two_thousand_hosts_within_temporal_limits(signed, keys):
         assert 1 < fleet.peak_loading <= MAX_LOADS            # the load cap held at fleet size
         assert st.runs > 1 and st.phase == "done"             # the load phase continued-as-new
         # every history (each run of the parent, every batch child) stays far below Temporal's limits
-        runs, longest, pending_peak = 0, 0, 0
+        runs, longest, pending_peak, largest_payload, heaviest = 0, 0, 0, 0, 0
         async for wf in env.client.list_workflows(f"WorkflowId STARTS_WITH '{wid}'"):
             h = await env.client.get_workflow_handle(wf.id, run_id=wf.run_id).fetch_history()
             longest = max(longest, len(h.events))
             runs += wf.id == wid
             scheduled = sum(e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED for e in h.events)
             pending_peak = max(pending_peak, scheduled)
-        print(json.dumps({"hosts": HOSTS, "runs": runs, "longest_history": longest, "most_activities_in_one_history": pending_peak,
-                          "peak_loading": fleet.peak_loading, "retried": fleet.retried}))
+            largest_payload = max([largest_payload, *payload_sizes(h)])
+            heaviest = max(heaviest, sum(e.ByteSize() for e in h.events))
+        print(json.dumps({"hosts": HOSTS, "manifest_chunks": 6_400, "runs": runs, "longest_history": longest,
+                          "most_activities_in_one_history": pending_peak, "largest_payload_bytes": largest_payload,
+                          "largest_history_bytes": heaviest, "peak_loading": fleet.peak_loading,
+                          "retried": fleet.retried}))
         assert runs == st.runs
         assert longest < 10_000, f"a history reached {longest} events"
         assert pending_peak < 2000
+        # the manifest (over a MB) travels by reference; the largest payload is the 2,000-host list itself
+        # (input and continue-as-new carry, ~100 B a host), far below Temporal's 2 MB blob limit
+        assert largest_payload < 512 * 1024 and heaviest < 8 * 1024 * 1024
