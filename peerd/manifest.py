@@ -263,7 +263,7 @@ def validate(m: Manifest) -> None:
     for i, c in enumerate(m.chunks):
         if not _is_int(c.index) or c.index != i:
             raise ManifestError(f"chunk at position {i} has index {c.index!r}; indices must be 0..n-1 in order")
-        if c.file not in next_offset:
+        if not isinstance(c.file, str) or c.file not in next_offset:
             raise ManifestError(f"chunk {i} refers to unknown file {c.file!r}")
         if not _is_int(c.offset) or not _is_int(c.size):
             raise ManifestError(f"chunk {i} offset and size must be integers")

@@ -147,6 +147,8 @@ def make_app(router: Router) -> web.Application:
             if not isinstance(addr, str) or not _ADDR.match(addr) or not _HOST.match(host):
                 return web.json_response({"error": f"host {host!r}: id must be a plain name and the address "
                                                    "http(s)://host:port"}, status=400)
+        if not b:
+            raise bad_request("give at least one host: {\"<host id>\": \"http://addr:port\"}")
         for host, addr in b.items():
             t.add_host(model, host, addr)
         return web.json_response({"hosts": t.models[model].hosts})
