@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--gossip-interval", type=float, default=1.0)
     ap.add_argument("--have-interval", type=float, default=0.1)
     ap.add_argument("--dead-after", type=float, default=5.0)
+    ap.add_argument("--header-timeout", type=float, default=10.0,
+                    help="seconds a connection may take to send a request head (default 10)")
+    ap.add_argument("--max-connections", type=int, default=4096, help="open connections before silent ones are shed")
     ap.add_argument("--max-members", type=int, default=10_000, help="members remembered (bounds what gossip can add)")
     ap.add_argument("--reserve-bytes", type=int, default=0, help="free space to keep on the store volume")
     ap.add_argument("--ready-file", type=Path, help="write {addr,id} JSON here once listening")
@@ -64,7 +67,9 @@ def config_from_args(a) -> PeerdConfig:
                        rack=a.rack, token=a.token, trusted_keys=a.trusted_key, seed_peers=a.peer,
                        upload_rate=a.upload_rate, download_rate=a.download_rate, origin_rate=a.origin_rate,
                        gossip_interval=a.gossip_interval, have_interval=a.have_interval, dead_after=a.dead_after,
-                       reserve_bytes=a.reserve_bytes, max_members=a.max_members, ready_file=a.ready_file, max_uploads=a.max_uploads,
+                       reserve_bytes=a.reserve_bytes, max_members=a.max_members,
+                       header_timeout=a.header_timeout, max_connections=a.max_connections,
+                       ready_file=a.ready_file, max_uploads=a.max_uploads,
                        fault_corrupt_uploads=a.fault_corrupt_uploads,
                        policy=PolicyConfig(max_cross_rack_peers=a.max_cross_rack_peers))
 

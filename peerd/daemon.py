@@ -11,6 +11,7 @@ from aiohttp import web
 
 from peerd import manifest as mf
 from peerd.config import PeerdConfig
+from peerd.conn_guard import ConnectionGuard
 from peerd.job import FetchJob
 from peerd.membership import Membership
 from peerd.metrics import PeerdMetrics
@@ -48,7 +49,9 @@ class Daemon:
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:
         from peerd.server import make_app
-        self.runner = web.AppRunner(make_app(self), access_log=None)
+        self.guard = ConnectionGuard(self.config.header_timeout, self.config.max_connections)
+        self.runner = web.AppRunner(make_app(self, self.guard.middleware), access_log=None,
+                                    keepalive_timeout=self.config.keepalive_timeout)
         await self.runner.setup()
         site = web.TCPSite(self.runner, self.config.listen_host, self.config.port)
         await site.start()
@@ -63,7 +66,8 @@ class Daemon:
         self.s3_session = await warm_session()
         self._resume_stored()
         self._loops = [asyncio.create_task(self._gossip_loop(), name="gossip"),
-                       asyncio.create_task(self._sweep_loop(), name="sweep")]
+                       asyncio.create_task(self._sweep_loop(), name="sweep"),
+                       asyncio.create_task(self.guard.run(self.runner.server), name="connection-guard")]
         if self.config.ready_file:
             self.config.ready_file.write_text(json.dumps({"addr": self.addr, "id": self.config.host_id}))
         log.info("peerd up", extra={"addr": self.addr, "host": self.config.host_id, "store": str(self.config.store)})

@@ -24,7 +24,7 @@ def _error(status: int, message: str, **extra) -> web.Response:
     return web.json_response({"error": message, **extra}, status=status)
 
 
-def make_app(daemon) -> web.Application:
+def make_app(daemon, *middlewares) -> web.Application:
     @web.middleware
     async def guard(request: web.Request, handler):
         if request.path.startswith("/v1/") and daemon.config.token and not bearer_ok(request, daemon.config.token):
@@ -40,7 +40,7 @@ def make_app(daemon) -> web.Application:
         except BadInput as e:
             return _error(e.status, str(e))
 
-    app = web.Application(middlewares=[guard], client_max_size=MAX_JOB_BYTES)
+    app = web.Application(middlewares=[*middlewares, guard], client_max_size=MAX_JOB_BYTES)
     d = daemon
 
     async def healthz(_):

@@ -144,3 +144,24 @@ async def test_names_are_matched_in_full():
         check_id("host\n")
     with pytest.raises(mf.ManifestError):
         mf.safe_relative_path("ok/\x01name")
+
+
+async def test_connections_that_never_finish_their_headers_are_closed(tmp_path, seaweed, keys):
+    fleet = Fleet(tmp_path, seaweed, keys["pub_path"], ["s"],
+                  extra={"s": ["--header-timeout", "1", "--max-connections", "20"]}).start()
+    u = urlparse(fleet.procs["s"].addr)
+    try:
+        slow = []
+        for _ in range(40):                       # more silent connections than the cap
+            r, w = await asyncio.open_connection(u.hostname, u.port)
+            w.write(b"GET /v1/status HTTP/1.1\r\nHost: x\r\n")     # a head that never ends
+            await w.drain()
+            slow.append((r, w))
+        st, body = await call("GET", fleet.procs["s"].addr + "/healthz")      # real clients still served
+        assert st == 200
+        closed = await asyncio.wait_for(asyncio.gather(*(r.read() for r, _ in slow)), timeout=10)
+        assert all(data == b"" for data in closed)   # every one closed by the server (EOF, no answer)
+        for _, w in slow:
+            w.close()
+    finally:
+        fleet.stop()
