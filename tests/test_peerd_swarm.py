@@ -134,15 +134,21 @@ async def test_origin_unreachable_but_peers_have_it(tmp_path, seaweed, keys, sig
         fleet.stop()
 
 
+async def one_host_holding(tmp_path, seaweed, keys, doc, digest, checkpoint, prefix):
+    """Host "a" alone, with the version fetched from the origin and complete; returns (fleet, origin)."""
+    origin = await publish(seaweed, checkpoint, prefix)
+    fleet = Fleet(tmp_path, seaweed, keys["pub_path"], ["a"]).start()
+    async with fleet.client("a") as c:
+        await c.start_job(doc, origin, seeders=["a"])
+        assert (await c.wait(digest, 60))["state"] == "complete"
+    return fleet, origin
+
+
 async def test_delta_rollout_copies_unchanged_chunks_locally(tmp_path, seaweed, keys, signed, checkpoint, prefix):
     from peerd import manifest as mf
     m, doc = signed
-    origin = await publish(seaweed, checkpoint, prefix)
-    fleet = Fleet(tmp_path, seaweed, keys["pub_path"], ["a"]).start()
+    fleet, _ = await one_host_holding(tmp_path, seaweed, keys, doc, m.digest, checkpoint, prefix)
     try:
-        async with fleet.client("a") as c:
-            await c.start_job(doc, origin, seeders=["a"])
-            await c.wait(m.digest, 60)
         changed = checkpoint / m.files[0].path
         data = bytearray(changed.read_bytes())
         data[0] ^= 0xFF
@@ -165,12 +171,9 @@ async def test_bytes_changed_on_disk_after_verification_are_not_served(tmp_path,
     chunk leaves the host, stops serving it, fails the job, and a re-submit fetches just that chunk."""
     import os
     m, doc = signed
-    origin = await publish(seaweed, checkpoint, prefix)
-    fleet = Fleet(tmp_path, seaweed, keys["pub_path"], ["a"]).start()
+    fleet, origin = await one_host_holding(tmp_path, seaweed, keys, doc, m.digest, checkpoint, prefix)
     try:
         async with fleet.client("a") as c:
-            await c.start_job(doc, origin, seeders=["a"])
-            assert (await c.wait(m.digest, 60))["state"] == "complete"
             victim = m.chunks[1]
             path = tmp_path / "a" / "store" / "versions" / m.digest / "model" / victim.file
             st = path.stat()

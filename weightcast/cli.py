@@ -310,6 +310,18 @@ def cmd_rollout(a) -> int:
         raise
 
 
+def _swarm_flags(p, *, hosts: int, size: str, rate: str, chunk: str, kill: int, corrupt: int) -> None:
+    """The flags of one real-process swarm (bench swarm, and each swarm of bench soak)."""
+    p.add_argument("--hosts", type=int, default=hosts)
+    p.add_argument("--size", type=parse_size, default=parse_size(size))
+    p.add_argument("--rate", type=parse_rate, default=parse_rate(rate))
+    p.add_argument("--chunk", type=parse_size, default=parse_size(chunk))
+    p.add_argument("--kill", type=int, default=kill, help="hosts SIGKILLed at 40%% of the lower bound (per swarm)")
+    p.add_argument("--corrupt-peers", type=int, default=corrupt, help="hosts that serve flipped bytes (per swarm)")
+    p.add_argument("--deadline", type=float, default=None, help="seconds per swarm before giving up (default 60 + 5 S/R)")
+    p.add_argument("--json", action="store_true")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="weightcast", description="Roll model checkpoints out to a GPU fleet.")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -358,14 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks (print JSON)").add_subparsers(dest="sub", required=True)
     bs = bench.add_parser("swarm", help="real peerd processes on loopback, origin in SeaweedFS")
-    bs.add_argument("--hosts", type=int, default=8)
-    bs.add_argument("--size", type=parse_size, default=parse_size("256M"))
-    bs.add_argument("--rate", type=parse_rate, default=parse_rate("16M"))
-    bs.add_argument("--chunk", type=parse_size, default=parse_size("1M"))
-    bs.add_argument("--kill", type=int, default=0, help="hosts SIGKILLed at 40%% of the lower bound")
-    bs.add_argument("--corrupt-peers", type=int, default=0, help="hosts that serve flipped bytes")
-    bs.add_argument("--deadline", type=float, default=None, help="seconds before giving up (default 60 + 5 S/R)")
-    bs.add_argument("--json", action="store_true")
+    _swarm_flags(bs, hosts=8, size="256M", rate="16M", chunk="1M", kill=0, corrupt=0)
     bs.set_defaults(fn=cmd_bench_swarm)
 
     bm = bench.add_parser("manifest", help="manifest cost at real chunk counts: parse, verify, layout, status; time and RSS")
@@ -376,14 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sk = bench.add_parser("soak", help="many swarms back to back with kills and corrupt peers; counts crashed daemons")
     sk.add_argument("--swarms", type=int, default=10)
-    sk.add_argument("--hosts", type=int, default=16)
-    sk.add_argument("--size", type=parse_size, default=parse_size("32M"))
-    sk.add_argument("--rate", type=parse_rate, default=parse_rate("8M"))
-    sk.add_argument("--chunk", type=parse_size, default=parse_size("256K"))
-    sk.add_argument("--kill", type=int, default=1, help="hosts SIGKILLed at 40%% of the lower bound, per swarm")
-    sk.add_argument("--corrupt-peers", type=int, default=1, help="hosts that serve flipped bytes, per swarm")
-    sk.add_argument("--deadline", type=float, default=None, help="seconds per swarm (default 60 + 5 S/R)")
-    sk.add_argument("--json", action="store_true")
+    _swarm_flags(sk, hosts=16, size="32M", rate="8M", chunk="256K", kill=1, corrupt=1)
     sk.set_defaults(fn=cmd_bench_soak)
 
     bl = bench.add_parser("load", help="model load throughput vs page-cache read of the same files")
