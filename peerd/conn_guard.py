@@ -50,3 +50,28 @@ class ConnectionGuard:
         while True:
             await asyncio.sleep(interval)
             self.sweep(server)
+
+
+def run_guarded(app: web.Application, host: str, port: int, header_timeout: float = 10.0,
+                max_connections: int = 4096, keepalive_timeout: float = 75.0) -> None:
+    """``web.run_app`` with the guard in front (the model server and the router use this); returns on
+    SIGTERM or SIGINT after a clean shutdown."""
+    import signal
+    guard = ConnectionGuard(header_timeout, max_connections)
+    app.middlewares.insert(0, guard.middleware)
+
+    async def main() -> None:
+        runner = web.AppRunner(app, access_log=None, keepalive_timeout=keepalive_timeout)
+        await runner.setup()
+        await web.TCPSite(runner, host, port).start()
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        sweeper = asyncio.create_task(guard.run(runner.server))
+        try:
+            await stop.wait()
+        finally:
+            sweeper.cancel()
+            await runner.cleanup()
+
+    asyncio.run(main())

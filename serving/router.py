@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from peerd.metrics import metrics_handler
 from serving.capacity import CapacityRules
+from peerd.conn_guard import run_guarded
 from peerd.http_input import bearer_ok
 from serving.http_json import MAX_BODY, bad_request, json_object
 from serving.routing import ModelRoute, RoutingError, RoutingTable
@@ -251,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="router")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--listen", default="127.0.0.1")
+    ap.add_argument("--header-timeout", type=float, default=10.0, help="seconds to send a request head (default 10)")
     ap.add_argument("--max-concurrent-loads", type=int, default=2)
     ap.add_argument("--old-floor", type=int, default=1)
     ap.add_argument("--admin-token", default=os.environ.get("WEIGHTCAST_ADMIN_TOKEN", ""),
@@ -266,8 +268,8 @@ def main(argv=None) -> int:
         print('{"level": "ERROR", "msg": "no admin token: set WEIGHTCAST_ADMIN_TOKEN (from a secret) or --admin-token"}',
               file=sys.stderr)
         return 2
-    web.run_app(make_app(Router(rules=CapacityRules(a.max_concurrent_loads, a.old_floor), admin_token=a.admin_token)),
-                host=a.listen, port=a.port, print=None)
+    run_guarded(make_app(Router(rules=CapacityRules(a.max_concurrent_loads, a.old_floor), admin_token=a.admin_token)),
+                a.listen, a.port, header_timeout=a.header_timeout)
     return 0
 
 

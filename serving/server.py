@@ -21,6 +21,7 @@ from pathlib import Path
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from peerd.conn_guard import run_guarded
 from peerd.http_input import bearer_ok
 from peerd.metrics import metrics_handler
 from serving.engine import Engine, ReferenceEngine
@@ -197,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--id", required=True)
     ap.add_argument("--port", type=int, default=8100)
     ap.add_argument("--listen", default="127.0.0.1")
+    ap.add_argument("--header-timeout", type=float, default=10.0, help="seconds to send a request head (default 10)")
     ap.add_argument("--max-versions", type=int, default=2)
     ap.add_argument("--memory-budget", type=int, default=None, help="bytes of weights this host may hold")
     ap.add_argument("--store", type=Path, required=True, help="peerd's store root: versions load only from under it")
@@ -215,7 +217,7 @@ def main(argv=None) -> int:
         return 2
     ms = ModelServer(a.id, max_versions=a.max_versions, memory_budget=a.memory_budget, store_root=a.store,
                      admin_token=a.admin_token)
-    web.run_app(make_app(ms), host=a.listen, port=a.port, print=None)
+    run_guarded(make_app(ms), a.listen, a.port, header_timeout=a.header_timeout)
     return 0
 
 
