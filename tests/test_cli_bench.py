@@ -85,3 +85,24 @@ def test_bench_says_which_daemon_died_how_and_its_last_words(tmp_path):
     assert any("Segmentation fault" in line or "Fatal Python error" in line for line in death["last_log_lines"])
     assert not r["timed_out"] and sorted(r["incomplete"]) == []     # the two living hosts finished
     assert _pid_of(str(tmp_path / "w")) is None                      # nothing left running
+
+
+def test_a_benchmark_stopped_by_sigterm_leaves_no_process_behind(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, "-m", "weightcast.cli", "bench", "swarm", "--hosts", "3", "--size", "64M",
+                             "--rate", "4M", "--json"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while _pid_of(f"--store {tmp_path}") is None:         # wait until its daemons run
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(60)
+    deadline = time.monotonic() + 20
+    while _pid_of(str(tmp_path)) is not None:             # peerd and SeaweedFS gone with it
+        assert time.monotonic() < deadline, "a process of the benchmark outlived it"
+        time.sleep(0.2)
