@@ -106,3 +106,15 @@ def test_a_benchmark_stopped_by_sigterm_leaves_no_process_behind(tmp_path):
     while _pid_of(str(tmp_path)) is not None:             # peerd and SeaweedFS gone with it
         assert time.monotonic() < deadline, "a process of the benchmark outlived it"
         time.sleep(0.2)
+
+
+def test_demo_has_a_deadline_and_says_where_it_stood():
+    import asyncio
+
+    import pytest
+
+    from weightcast.demo import DemoFailed, run_demo
+    with pytest.raises(DemoFailed) as e:
+        asyncio.run(run_demo(hosts=2, size=4 << 20, rate=1 << 20, progress=None, ui=False, deadline_s=0.01))
+    report = json.loads(str(e.value))
+    assert set(report["hosts"]) == {"h0", "h1"} and report["phase"] and report["dead"] == []

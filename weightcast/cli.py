@@ -479,8 +479,9 @@ def main(argv=None) -> int:
     except Exception as e:
         from weightcast.publish import PublishError
         from weightcast.rollouts import InvalidRolloutInput
+        from weightcast.demo import DemoFailed
         from weightcast.stack.dev import DevError
-        if isinstance(e, (PublishError, InvalidRolloutInput, DevError, TemporalUnreachable)):
+        if isinstance(e, (PublishError, InvalidRolloutInput, DevError, TemporalUnreachable, DemoFailed)):
             print(f"error: {e}", file=sys.stderr)
             return 2
         raise

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import sys
 import tempfile
@@ -32,8 +33,12 @@ from weightcast.stack.seaweed import ACCESS_KEY, SECRET_KEY
 from workflows.rollout import RolloutWorkflow
 
 
+class DemoFailed(RuntimeError):
+    """The rollout did not finish by its deadline; the message says which hosts, where, and why."""
+
+
 async def run_demo(hosts: int, size: int, rate: float, progress=None, keep_ui_s: float = 0.0, ui: bool = True,
-                   step_wait_s: float = 0.5) -> dict:
+                   step_wait_s: float = 0.5, deadline_s: float | None = None) -> dict:
     work = Path(tempfile.mkdtemp(prefix="wc-demo-"))
     mcfg, seed = ModelConfig.for_size(size), 7
     version = f"v{uuid.uuid4().hex[:6]}"       # a fresh version each run: a second `make demo` works too
@@ -54,8 +59,13 @@ async def run_demo(hosts: int, size: int, rate: float, progress=None, keep_ui_s:
         print(f"rollout {handle.id} started; Temporal UI: {stack.ui_url(handle.id)}", file=sys.stderr)
         t_started = loop.time()
         result_task = asyncio.ensure_future(handle.result())
+        deadline = t0 + (deadline_s or 120 + 10 * size / rate)      # never wait forever on a dead part
         while not result_task.done():
             st = await handle.query(RolloutWorkflow.status)
+            if loop.time() > deadline:
+                result_task.cancel()
+                raise DemoFailed(json.dumps({"deadline_s": round(deadline - t0, 1), "phase": st.phase,
+                                             "hosts": st.hosts, "errors": st.errors, "dead": _dead_parts(stack)}))
             if progress:
                 ready = st.counts.get("ready", 0)
                 bytes_done = sum(p.get("bytes_done", 0) for p in await _peerd_jobs(stack, pub["version_id"]))
@@ -85,6 +95,11 @@ async def run_demo(hosts: int, size: int, rate: float, progress=None, keep_ui_s:
         if stack:
             await stack.stop()
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _dead_parts(stack: EmbeddedStack) -> list[dict]:
+    """Stack processes that died on their own: which, how, and their last log lines."""
+    return [d for p in [*stack.peerd.values(), *stack.host_workers.values()] if (d := p.death(12)) is not None]
 
 
 async def _peerd_jobs(stack: EmbeddedStack, vid: str) -> list[dict]:
