@@ -1,5 +1,6 @@
 """Golden histories replay against today's workflow code: a change that is not replay-safe fails CI.
-Re-record with WEIGHTCAST_RECORD_HISTORIES=1 pytest tests/test_rollout.py after an intended,
+Re-record with WEIGHTCAST_RECORD_HISTORIES=1 pytest tests/test_rollout.py tests/test_full_size_rollout.py
+(manifest by reference) after an intended,
 patched change (see docs/control-plane.md)."""
 from pathlib import Path
 
@@ -15,7 +16,8 @@ HISTORIES = sorted((Path(__file__).parent / "histories").glob("*.json"))
 @pytest.mark.asyncio
 @pytest.mark.parametrize("path", HISTORIES, ids=[p.stem for p in HISTORIES])
 async def test_golden_history_replays(path):
-    history = WorkflowHistory.from_json(path.stem, path.read_text())   # file name = workflow id
+    workflow_id = path.stem.removesuffix("-by-ref")                     # file name = workflow id (+ a tag)
+    history = WorkflowHistory.from_json(workflow_id, path.read_text())
     result = await Replayer(workflows=WORKFLOWS).replay_workflow(history, raise_on_replay_failure=False)
     assert result.replay_failure is None, f"{path.name} no longer replays: {result.replay_failure}"
 
