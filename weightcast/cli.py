@@ -117,6 +117,17 @@ def cmd_bench_manifest(a) -> int:
     return 0
 
 
+def cmd_train_run(a) -> int:
+    from training.config import TrainConfig
+    from training.launch import launch
+    cfg = TrainConfig.load(a.config, a.set)           # ConfigError (exit 2) before any process starts
+    print(f"training: {cfg.layout} x{cfg.world_size}, comm {cfg.comm}, {cfg.steps} steps", file=sys.stderr)
+    res = launch(cfg)
+    print(json.dumps(res if a.full else {k: v for k, v in res.items() if k not in ("losses", "config")},
+                     indent=None if a.json else 1))
+    return 0
+
+
 def cmd_bench_soak(a) -> int:
     from bench.soak import run_soak
     bar, t0 = Progress("soak"), time.monotonic()
@@ -431,6 +442,16 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--dir", type=Path, default=Path(".weightcast-dev"))
         p.set_defaults(fn=cmd_dev)
 
+    tr = sub.add_parser("train", help="distributed training of the reference transformer").add_subparsers(
+        dest="sub", required=True)
+    trr = tr.add_parser("run", help="run one training job locally across its rank processes")
+    trr.add_argument("config", nargs="?", type=Path, help="JSON or TOML TrainConfig (default: the defaults)")
+    trr.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a setting, e.g. --set steps=100 --set model.d_model=128")
+    trr.add_argument("--full", action="store_true", help="include the per-step losses and the config")
+    trr.add_argument("--json", action="store_true")
+    trr.set_defaults(fn=cmd_train_run)
+
     ro = sub.add_parser("rollout", help="start, watch and steer rollouts (Temporal)").add_subparsers(dest="sub", required=True)
     for name, hlp in [("start", "start (or attach to) the rollout described by a JSON RolloutInput"),
                       ("status", "show a rollout's status"), ("pause", "pause between steps"),
@@ -481,7 +502,8 @@ def main(argv=None) -> int:
         from weightcast.rollouts import InvalidRolloutInput
         from weightcast.demo import DemoFailed
         from weightcast.stack.dev import DevError
-        if isinstance(e, (PublishError, InvalidRolloutInput, DevError, TemporalUnreachable, DemoFailed)):
+        from training.config import ConfigError
+        if isinstance(e, (PublishError, InvalidRolloutInput, DevError, TemporalUnreachable, DemoFailed, ConfigError)):
             print(f"error: {e}", file=sys.stderr)
             return 2
         raise

@@ -1,0 +1,56 @@
+"""`weightcast train run`: one training job on this machine, N rank processes (spawned), and a summary
+of what happened: loss, bytes each rank handed to the process group per step, throughput."""
+from __future__ import annotations
+
+import json
+import socket
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch.multiprocessing as mp
+
+from training.config import TrainConfig
+from training.data import Language
+from training.rank import run_rank
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(cfg: TrainConfig, out_dir: Path | None = None) -> dict:
+    """Run the job to the end; raises ConfigError before any process starts if the config cannot run."""
+    cfg.check()
+    work = Path(out_dir or tempfile.mkdtemp(prefix="wc-train-"))
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    if cfg.world_size == 1:
+        run_rank(0, cfg.to_dict(), 0, str(work))
+    else:
+        mp.start_processes(run_rank, args=(cfg.to_dict(), free_port(), str(work)), nprocs=cfg.world_size,
+                           start_method="spawn", join=True)
+    wall = time.perf_counter() - t0
+    ranks = [json.loads((work / f"rank{r}.json").read_text()) for r in range(cfg.world_size)]
+    steps = cfg.steps
+    # the loss of a step is the mean over the whole global batch: weight each rank by its share
+    total = sum(r["samples_per_step"] for r in ranks)
+    loss = [sum(r["losses"][s] * r["samples_per_step"] for r in ranks) / total for s in range(steps)]
+    steady = slice(min(2, steps - 1), steps)                     # the first steps include warm-up
+    step_s = [max(r["step_s"][s] for r in ranks) for s in range(steps)]
+    tokens = cfg.global_batch * (cfg.seq_len - 1)
+    summary = {"layout": cfg.layout, "comm": cfg.comm, "world_size": cfg.world_size, "device": ranks[0]["device"],
+               "steps": steps, "loss_first": loss[0], "loss_last": loss[-1],
+               "loss_floor": Language(cfg.model.vocab, cfg.data_seed).entropy_floor(),
+               "losses": loss, "sent_bytes_per_step_per_rank": statistics.mean(
+                   statistics.mean(r["sent_bytes"][steady]) for r in ranks),
+               "step_s_median": statistics.median(step_s[steady]),
+               "tokens_per_s": tokens / statistics.median(step_s[steady]),
+               "wall_s": round(wall, 2), "out_dir": str(work),
+               "config": cfg.to_dict()}
+    if cfg.out:
+        Path(cfg.out).write_text(json.dumps(summary, indent=1))
+    return summary
