@@ -3,7 +3,6 @@ of what happened: loss, bytes each rank handed to the process group per step, th
 from __future__ import annotations
 
 import json
-import socket
 import statistics
 import tempfile
 import time
@@ -16,22 +15,17 @@ from training.data import Language
 from training.rank import run_rank
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(cfg: TrainConfig, out_dir: Path | None = None) -> dict:
     """Run the job to the end; raises ConfigError before any process starts if the config cannot run."""
     cfg.check()
     work = Path(out_dir or tempfile.mkdtemp(prefix="wc-train-"))
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
+    (work / "rendezvous").unlink(missing_ok=True)       # a FileStore must start from no file
     if cfg.world_size == 1:
-        run_rank(0, cfg.to_dict(), 0, str(work))
+        run_rank(0, cfg.to_dict(), str(work))
     else:
-        mp.start_processes(run_rank, args=(cfg.to_dict(), free_port(), str(work)), nprocs=cfg.world_size,
+        mp.start_processes(run_rank, args=(cfg.to_dict(), str(work)), nprocs=cfg.world_size,
                            start_method="spawn", join=True)
     wall = time.perf_counter() - t0
     ranks = [json.loads((work / f"rank{r}.json").read_text()) for r in range(cfg.world_size)]

@@ -6,7 +6,6 @@ gradient buckets through the selected comm hook while backward runs), optimiser 
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
@@ -39,15 +38,15 @@ def make_optimizer(cfg: TrainConfig, params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
-def run_rank(rank: int, cfg_dict: dict, port: int, out_dir: str) -> None:
+def run_rank(rank: int, cfg_dict: dict, out_dir: str) -> None:
     cfg = TrainConfig.from_dict(cfg_dict)
     world = cfg.world_size
     device = device_for(rank)
     torch.manual_seed(cfg.seed)
     if world > 1:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = str(port)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world)
+        # rendezvous through a file in the job's directory: no port to pick, nothing to collide with
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
+                                init_method=f"file://{Path(out_dir, 'rendezvous').resolve()}")
     model = init_model(cfg.model, cfg.seed).train().to(device)
     state = CommState(cfg.comm, world, cfg.topk_ratio)
     if cfg.layout == "ddp" and world > 1:
