@@ -18,14 +18,16 @@ def run(tmp_path, name, *overrides):
     return launch(TrainConfig.load(None, [*SMALL, *overrides]), tmp_path / name)
 
 
-def test_ddp_matches_a_single_process_over_20_steps(tmp_path):
+@pytest.mark.parametrize("layout", ["ddp", "fsdp"])
+def test_data_parallel_layouts_match_a_single_process_over_20_steps(tmp_path, layout):
     """fp32: the two runs differ only in the order gradients are summed (two rank partial sums averaged
     by the all-reduce vs one sum over the batch), ~1e-7 relative per step; AdamW carries that along.
     Tolerance: 1e-4 absolute on every step's loss and every final parameter, ~1,000x the observed gap."""
     single = run(tmp_path, "single", "layout=single", "world_size=1", "steps=20")
-    ddp = run(tmp_path, "ddp", "layout=ddp", "world_size=2", "steps=20")
-    assert max(abs(a - b) for a, b in zip(single["losses"], ddp["losses"])) < 1e-4
-    a, b = torch.load(tmp_path / "single" / "model.pt"), torch.load(tmp_path / "ddp" / "model.pt")
+    dp = run(tmp_path, layout, f"layout={layout}", "world_size=2", "steps=20")
+    assert max(abs(a - b) for a, b in zip(single["losses"], dp["losses"])) < 1e-4
+    a, b = torch.load(tmp_path / "single" / "model.pt"), torch.load(tmp_path / layout / "model.pt")
+    assert set(a) == set(b)
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-4
     assert single["losses"][-1] < single["losses"][0] - 0.3       # and it learns
 
@@ -61,7 +63,8 @@ def test_bad_configs_are_refused_before_any_process_starts(tmp_path, capsys):
     for overrides, words in [(["world_size=3"], "not divisible"), (["model.n_heads=3"], "does not divide"),
                              (["comm=powersgd2"], "comm 'powersgd2'"), (["layot=ddp"], "did you mean layout"),
                              (["model.d_modle=64"], "did you mean model.d_model"), (["steps=0"], "steps must be"),
-                             (["layout=single"], "runs one process")]:
+                             (["layout=single"], "runs one process"),
+                             (["layout=fsdp", "comm=int8_ef"], "DDP gradient hook")]:
         with pytest.raises(ConfigError, match=words):
             TrainConfig.load(None, [*SMALL, *overrides])
     cfg = tmp_path / "c.json"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from serving.model import ModelConfig
 
-LAYOUTS = ("single", "ddp")
+LAYOUTS = ("single", "ddp", "fsdp")
 COMMS = ("allreduce", "fp16", "int8_ef", "topk_ef", "local_sgd")
 OPTIMIZERS = ("adamw", "sgd")
 
@@ -24,7 +24,7 @@ class ConfigError(ValueError):
 class TrainConfig:
     model: ModelConfig = field(default_factory=lambda: ModelConfig(vocab=256, d_model=64, n_layers=2, n_heads=2,
                                                                    d_ff=128, max_seq=32))
-    layout: str = "ddp"              # single | ddp
+    layout: str = "ddp"              # single | ddp | fsdp (FSDP2 fully_shard per block: params, grads, optimiser state)
     world_size: int = 2              # rank processes
     global_batch: int = 16           # sequences per step, summed over data-parallel ranks
     seq_len: int = 32
@@ -67,6 +67,9 @@ class TrainConfig:
             out.append(f"model.n_heads={m.n_heads} does not divide model.d_model={m.d_model}")
         if isinstance(self.seq_len, int) and self.seq_len > m.max_seq:
             out.append(f"seq_len {self.seq_len} exceeds model.max_seq {m.max_seq}")
+        if self.layout == "fsdp" and self.comm != "allreduce":
+            out.append(f"comm {self.comm!r} is a DDP gradient hook; fsdp reduces with its own reduce-scatter "
+                       "(use layout=ddp to compare methods)")
         if self.layout == "single" and self.world_size != 1:
             out.append(f"layout 'single' runs one process; world_size is {self.world_size}")
         if (isinstance(self.global_batch, int) and isinstance(self.world_size, int) and self.world_size > 0

@@ -32,6 +32,24 @@ def lm_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
 
+def shard_fully(model: torch.nn.Module) -> None:
+    """FSDP2 (ZeRO-3): each transformer block is one unit whose parameters, gradients and optimiser
+    state are sharded over the ranks and gathered only around its own forward and backward."""
+    from torch.distributed.fsdp import fully_shard
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+
+
+def full_state_dict(model: torch.nn.Module, layout: str, world: int) -> dict:
+    """The whole model's weights on the CPU (gathered from the shards under fsdp)."""
+    if layout == "fsdp" and world > 1:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    core = model.module if isinstance(model, DDP) else model
+    return {k: v.detach().cpu() for k, v in core.state_dict().items()}
+
+
 def make_optimizer(cfg: TrainConfig, params) -> torch.optim.Optimizer:
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -53,6 +71,8 @@ def run_rank(rank: int, cfg_dict: dict, out_dir: str) -> None:
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                     bucket_cap_mb=cfg.bucket_mb)
         model.register_comm_hook(state, HOOKS[cfg.comm])
+    elif cfg.layout == "fsdp" and world > 1:
+        shard_fully(model)
     opt = make_optimizer(cfg, model.parameters())
     sampler = Sampler(Language(cfg.model.vocab, cfg.data_seed), cfg.global_batch, cfg.seq_len)
     losses, sent, step_s = [], [], []
@@ -72,11 +92,13 @@ def run_rank(rank: int, cfg_dict: dict, out_dir: str) -> None:
         step_s.append(time.perf_counter() - t0)
         losses.append(loss.item())
         sent.append(state.sent_bytes - before)
-    record = {"rank": rank, "device": str(device), "losses": losses, "sent_bytes": sent, "step_s": step_s,
+    counted = cfg.layout != "fsdp"       # FSDP2's own collectives are not behind our counting hooks
+    record = {"rank": rank, "device": str(device), "losses": losses, "sent_bytes": sent if counted else None,
+              "step_s": step_s,
               "samples_per_step": sampler.shares(world)[rank], "next_step": sampler.next_step}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(record))
+    full = full_state_dict(model, cfg.layout, world)       # a collective under fsdp: every rank calls it
     if rank == 0:
-        core = model.module if isinstance(model, DDP) else model
-        torch.save({k: v.detach().cpu() for k, v in core.state_dict().items()}, Path(out_dir, "model.pt"))
+        torch.save(full, Path(out_dir, "model.pt"))
     if world > 1:
         dist.destroy_process_group()
