@@ -81,3 +81,18 @@ def test_train_run_through_the_cli(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["comm"] == "int8_ef" and out["world_size"] == 2 and out["steps"] == 6
     assert out["sent_bytes_per_step_per_rank"] > 0 and out["tokens_per_s"] > 0
+
+
+def test_bench_allreduce_runs_every_method_on_a_rate_limited_link(capsys):
+    """Through the CLI, inside a private network namespace with a tc-limited loopback (toy size: the
+    numbers are not asserted, only what each row must hold)."""
+    tiny = ["model.vocab=64", "model.d_model=32", "model.n_heads=2", "model.d_ff=64", "model.n_layers=1"]
+    argv = ["bench", "allreduce", "--ranks", "2", "--link", "400Mbit", "--steps", "4", "--json"]
+    assert main([*argv, *[x for kv in tiny for x in ("--set", kv)]]) == 0
+    r = json.loads(capsys.readouterr().out)
+    rows = {row["method"]: row for row in r["methods"]}
+    assert set(rows) == {"allreduce", "fp16", "int8_ef", "topk_ef", "local_sgd"}
+    assert rows["allreduce"]["bytes_vs_allreduce"] == 1 and rows["fp16"]["bytes_vs_allreduce"] == 0.5
+    assert rows["int8_ef"]["bytes_vs_allreduce"] < 0.26 and rows["topk_ef"]["bytes_vs_allreduce"] < 0.03
+    assert r["link_bytes_per_s"] == 50e6 and r["ring_bound_s"] == round(r["gradient_bytes"] / 50e6, 4)
+    assert all(row["step_s_median"] > 0 for row in rows.values())

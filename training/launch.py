@@ -41,7 +41,7 @@ def launch(cfg: TrainConfig, out_dir: Path | None = None) -> dict:
                "loss_floor": Language(cfg.model.vocab, cfg.data_seed).entropy_floor(),
                "losses": loss, "sent_bytes_per_step_per_rank": None if ranks[0]["sent_bytes"] is None else
                statistics.mean(statistics.mean(r["sent_bytes"][steady]) for r in ranks),
-               "step_s_median": statistics.median(step_s[steady]),
+               "step_s": step_s, "step_s_median": statistics.median(step_s[steady]),
                "tokens_per_s": tokens / statistics.median(step_s[steady]),
                "wall_s": round(wall, 2), "out_dir": str(work),
                "config": cfg.to_dict()}

@@ -123,8 +123,17 @@ def cmd_train_run(a) -> int:
     cfg = TrainConfig.load(a.config, a.set)           # ConfigError (exit 2) before any process starts
     print(f"training: {cfg.layout} x{cfg.world_size}, comm {cfg.comm}, {cfg.steps} steps", file=sys.stderr)
     res = launch(cfg)
-    print(json.dumps(res if a.full else {k: v for k, v in res.items() if k not in ("losses", "config")},
+    print(json.dumps(res if a.full else {k: v for k, v in res.items() if k not in ("losses", "step_s", "config")},
                      indent=None if a.json else 1))
+    return 0
+
+
+def cmd_bench_allreduce(a) -> int:
+    from bench.allreduce import run_allreduce_bench
+    from training.config import TrainConfig
+    TrainConfig.load(None, [*a.set, f"world_size={a.ranks}", f"steps={a.steps}"])   # bad settings: exit 2 first
+    res = run_allreduce_bench(a.ranks, a.link, a.steps, a.set)
+    print(json.dumps(res, indent=None if a.json else 1))
     return 0
 
 
@@ -390,6 +399,14 @@ def build_parser() -> argparse.ArgumentParser:
     bm.add_argument("--json", action="store_true")
     bm.set_defaults(fn=cmd_bench_manifest)
 
+    ba = bench.add_parser("allreduce", help="gradient methods side by side on a rate-limited link (private netns)")
+    ba.add_argument("--ranks", type=int, default=2)
+    ba.add_argument("--link", type=parse_rate, default=parse_rate("1Gbit"), help="the link's rate, e.g. 1Gbit")
+    ba.add_argument("--steps", type=int, default=30)
+    ba.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="TrainConfig overrides")
+    ba.add_argument("--json", action="store_true")
+    ba.set_defaults(fn=cmd_bench_allreduce)
+
     sk = bench.add_parser("soak", help="many swarms back to back with kills and corrupt peers; counts crashed daemons")
     sk.add_argument("--swarms", type=int, default=10)
     _swarm_flags(sk, hosts=16, size="32M", rate="8M", chunk="256K", kill=1, corrupt=1)
@@ -503,7 +520,9 @@ def main(argv=None) -> int:
         from weightcast.demo import DemoFailed
         from weightcast.stack.dev import DevError
         from training.config import ConfigError
-        if isinstance(e, (PublishError, InvalidRolloutInput, DevError, TemporalUnreachable, DemoFailed, ConfigError)):
+        from bench.allreduce import NamespaceError
+        if isinstance(e, (PublishError, InvalidRolloutInput, DevError, TemporalUnreachable, DemoFailed, ConfigError,
+                          NamespaceError)):
             print(f"error: {e}", file=sys.stderr)
             return 2
         raise
