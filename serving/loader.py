@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from serving.checkpoint import INDEX, SMOKE
 from serving.model import ModelConfig, TinyTransformer

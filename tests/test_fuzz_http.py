@@ -8,7 +8,6 @@ import os
 import threading
 from urllib.parse import urlparse
 
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
