@@ -80,6 +80,7 @@ def _busbw_rank(rank: int, world: int, nbytes: int, out_dir: str) -> None:
     seconds = (time.perf_counter() - t0) / BUSBW_REPEATS
     if rank == 0:
         Path(out_dir, "busbw.json").write_text(json.dumps({"seconds": seconds}))
+    dist.barrier()                                           # nobody closes its connections early
     dist.destroy_process_group()
 
 

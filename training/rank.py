@@ -101,4 +101,7 @@ def run_rank(rank: int, cfg_dict: dict, out_dir: str) -> None:
     if rank == 0:
         torch.save(full, Path(out_dir, "model.pt"))
     if world > 1:
+        # every rank done before any tears its connections down: a peer closing first made gloo's
+        # receive thread throw (std::terminate, SIGABRT) on a slow (tc-limited) link
+        dist.barrier()
         dist.destroy_process_group()
