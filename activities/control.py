@@ -8,6 +8,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from peerd import manifest as mf
+from peerd.http_input import bearer_headers
 from peerd.manifest_fetch import fetch_from_origin
 from peerd.origin import OriginSpec, S3Origin
 from peerd.signing import load_public_key
@@ -22,7 +23,7 @@ class ControlActivities:
     def __init__(self, trusted_keys: list[Path], s3_credentials: tuple[str, str] | None = None,
                  admin_token: str = ""):
         self.trusted = [load_public_key(p) for p in trusted_keys]
-        self.admin = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+        self.admin = bearer_headers(admin_token)
         self.s3_credentials = s3_credentials or (None, None)   # None: the AWS_* variables
 
     @activity.defn(name="check_manifest")

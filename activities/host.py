@@ -13,6 +13,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from peerd.client import PeerdClient, PeerdError
+from peerd.http_input import bearer_headers
 from workflows.types import DistributeInput, DistributeResult, LoadInput
 
 
@@ -31,7 +32,7 @@ class HostActivities:
         self.host_id, self.peerd_addr, self.token = host_id, peerd_addr, token
         self.store, self.model_server = Path(store), model_server
         # the model server's load/unload and the router's permits take the admin token
-        self.admin = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+        self.admin = bearer_headers(admin_token)
 
     @activity.defn(name="distribute")
     async def distribute(self, inp: DistributeInput) -> DistributeResult:

@@ -34,6 +34,13 @@ DEFAULT_MODEL = ["model.vocab=1024", "model.d_model=256", "model.n_layers=4", "m
 BUSBW_REPEATS = 5
 
 
+def method_config(ranks: int, steps: int, overrides: list[str], comm: str = "allreduce") -> TrainConfig:
+    """One method's run: the benchmark's model, the caller's overrides, up to twice ``steps`` steps.
+    Raises ConfigError (so the CLI can refuse bad settings before entering the namespace)."""
+    return TrainConfig.load(None, [*DEFAULT_MODEL, *overrides, "layout=ddp", f"world_size={ranks}",
+                                   f"comm={comm}", f"steps={2 * steps}"])
+
+
 class NamespaceError(RuntimeError):
     pass
 
@@ -94,9 +101,7 @@ def allreduce_seconds(world: int, nbytes: int) -> float:
 def inside(ranks: int, link_bps: float, steps: int, overrides: list[str]) -> dict:
     runs = {}
     for m in METHODS:
-        cfg = TrainConfig.load(None, [*DEFAULT_MODEL, *overrides, "layout=ddp", f"world_size={ranks}",
-                                      f"comm={m}", f"steps={2 * steps}"])
-        runs[m] = launch(cfg)
+        runs[m] = launch(method_config(ranks, steps, overrides, m))
     plain = runs["allreduce"]
     target = plain["losses"][steps - 1]                      # where plain all-reduce is after --steps
     grad_bytes = plain["sent_bytes_per_step_per_rank"]

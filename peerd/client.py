@@ -6,6 +6,8 @@ import time
 
 import aiohttp
 
+from peerd.http_input import bearer_headers
+
 
 class PeerdError(RuntimeError):
     def __init__(self, status: int, message: str):
@@ -16,7 +18,7 @@ class PeerdError(RuntimeError):
 class PeerdClient:
     def __init__(self, addr: str, token: str = "", session: aiohttp.ClientSession | None = None):
         self.addr = addr.rstrip("/")
-        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.headers = bearer_headers(token)
         self._session = session
         self._own = session is None
 

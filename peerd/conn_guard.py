@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import time
 
 from aiohttp import web
@@ -17,7 +18,6 @@ class ConnectionGuard:
         self.header_timeout, self.max_connections = header_timeout, max_connections
         self._first_seen: dict[object, float] = {}
         self._heard: set[object] = set()            # handlers that delivered at least one request head
-        self.closed = 0
 
     @web.middleware
     async def middleware(self, request: web.Request, handler):
@@ -41,7 +41,6 @@ class ConnectionGuard:
         for h in doomed:
             if h.transport is not None:
                 h.transport.close()
-            self.closed += 1
         if doomed:
             log.info("closed connections that sent no request", extra={"closed": len(doomed), "open": len(conns)})
         return len(doomed)
@@ -56,7 +55,6 @@ def run_guarded(app: web.Application, host: str, port: int, header_timeout: floa
                 max_connections: int = 4096, keepalive_timeout: float = 75.0) -> None:
     """``web.run_app`` with the guard in front (the model server and the router use this); returns on
     SIGTERM or SIGINT after a clean shutdown."""
-    import signal
     guard = ConnectionGuard(header_timeout, max_connections)
     app.middlewares.insert(0, guard.middleware)
 

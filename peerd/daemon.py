@@ -12,10 +12,11 @@ from aiohttp import web
 from peerd import manifest as mf
 from peerd.config import PeerdConfig
 from peerd.conn_guard import ConnectionGuard
+from peerd.http_input import bearer_headers
 from peerd.job import FetchJob
+from peerd.manifest_fetch import fetch_from_origin, verify_named
 from peerd.membership import Membership
 from peerd.metrics import PeerdMetrics
-from peerd.manifest_fetch import fetch_from_origin, verify_named
 from peerd.origin import OriginError, OriginSpec, S3Origin, warm_session
 from peerd.ratelimit import TokenBucket
 from peerd.signing import load_public_key
@@ -108,8 +109,8 @@ class Daemon:
                 return job
             m, raw = await self._fetch_manifest(ref, origin)
         else:
-            raw = json.dumps(body["manifest"]).encode()
-            m = await asyncio.to_thread(mf.load_signed, raw, self.trusted)
+            m = await asyncio.to_thread(mf.verify_signed, body["manifest"], self.trusted)   # already parsed
+            raw = json.dumps(body["manifest"]).encode()                                    # kept as received
         job = self.jobs.get(m.digest)
         if job is not None and job.state != "failed":
             return job
@@ -149,7 +150,8 @@ class Daemon:
     async def corrupt_on_disk(self, vs, index: int) -> None:
         """A verified chunk no longer matches the manifest (the file changed under peerd): stop serving it,
         withdraw the version's hand-off, and fail its job so the next submit fetches the chunk again."""
-        await asyncio.to_thread(vs.unmark_verified, index)
+        vs.unmark_verified(index)                          # at once, on this thread: nothing serves it now
+        await asyncio.to_thread(vs.forget_durably, index)
         self.metrics.corrupt_on_disk.inc()
         job = self.jobs.get(vs.vid)
         if job is not None and job.state == "complete":
@@ -165,7 +167,7 @@ class Daemon:
             j.on_quarantine(peer_id)
 
     def auth_headers(self) -> dict:
-        return {"Authorization": f"Bearer {self.config.token}"} if self.config.token else {}
+        return bearer_headers(self.config.token)
 
     # ---------------------------------------------------------------- gossip
     def gossip_message(self) -> dict:

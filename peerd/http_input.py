@@ -54,3 +54,8 @@ def bearer_ok(request: web.Request, token: str) -> bool:
     (headers that are not valid UTF-8 are compared, not crashed on)."""
     got = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
     return hmac.compare_digest(got, f"Bearer {token}".encode())
+
+
+def bearer_headers(token: str) -> dict:
+    """The header a client sends with ``token`` (none when the token is empty: auth disabled)."""
+    return {"Authorization": f"Bearer {token}"} if token else {}

@@ -176,20 +176,20 @@ def load_signed(data: bytes, trusted: list[Ed25519PublicKey]) -> Manifest:
         doc = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ManifestError(f"manifest is not valid JSON: {e}") from None
+    return verify_signed(doc, trusted)
+
+
+def verify_signed(doc, trusted: list[Ed25519PublicKey]) -> Manifest:
+    """``load_signed`` for a document already parsed from JSON (a job body, say)."""
     if not isinstance(doc, dict) or set(doc) != {"manifest", "signature"}:
         raise ManifestError("a signed manifest has exactly two keys, 'manifest' and 'signature'; "
                             "sign it with `weightcast manifest build --key ...`")
-    m = parse_body(doc["manifest"])
+    m, canonical = _parse(doc["manifest"])
     sig = doc["signature"]
     if not isinstance(sig, dict) or not isinstance(sig.get("key_id"), str) or not isinstance(sig.get("sig"), str):
         raise ManifestError("signature must be an object with string 'key_id' and 'sig'")
     if not trusted:
         raise ManifestError("no trusted public keys configured; refusing to accept any manifest")
-    # The canonical bytes of the body as received, not rebuilt from the parsed objects: no second copy
-    # of a 400,000-chunk body, and an entry with extra fields fails the signature instead of passing.
-    canonical = canonical_json(doc["manifest"])
-    del doc
-    m.__dict__["digest"] = hashlib.sha256(canonical).hexdigest()   # the version id, from those bytes
     if not signing.verify(trusted, canonical, sig["sig"], sig["key_id"]):
         known = ", ".join(signing.public_key_id(k) for k in trusted)
         raise ManifestError(f"bad signature: manifest signed by key {sig['key_id']!r} does not verify "
@@ -198,6 +198,14 @@ def load_signed(data: bytes, trusted: list[Ed25519PublicKey]) -> Manifest:
 
 
 def parse_body(body) -> Manifest:
+    """A validated manifest body (no signature check); its version id is the hash of the body as given."""
+    return _parse(body)[0]
+
+
+def _parse(body) -> tuple[Manifest, bytes]:
+    """The manifest and the canonical bytes of the body as received. The version id is their hash, not
+    a re-serialisation of the parsed objects: no second copy of a 400,000-chunk body is built, and an
+    entry with extra fields changes the id (and fails the signature) instead of being ignored."""
     if not isinstance(body, dict):
         raise ManifestError("'manifest' must be an object")
     expected = {"schema", "model", "version", "created_at", "hash_algorithm", "chunk_size", "files", "chunks"}
@@ -213,7 +221,9 @@ def parse_body(body) -> Manifest:
                  chunk_size=body["chunk_size"], files=files, chunks=chunks,
                  hash_algorithm=body["hash_algorithm"], schema=body["schema"])
     validate(m)
-    return m
+    canonical = canonical_json(body)
+    m.__dict__["digest"] = hashlib.sha256(canonical).hexdigest()   # fills the cached_property
+    return m, canonical
 
 
 def _is_int(v) -> bool:

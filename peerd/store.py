@@ -10,7 +10,8 @@ A bitmap byte is written only after the chunk's bytes matched the manifest diges
 fdatasync'ed, so after a crash every set bit is true and nothing verified is fetched again.
 
 Threads: ``write_chunk`` (hash check, pwrite, fdatasync) runs in worker threads; the in-memory bitmap
-``bits`` and the counters are changed only by ``mark_verified`` on the owner's (event loop) thread.
+``bits`` and the counters are changed only by ``mark_verified`` and ``unmark_verified`` on the owner's
+(event loop) thread.
 numpy's boolean-mask indexing counts the mask, allocates, then fills: a bit set by another thread in
 between wrote past the allocation and corrupted the heap ("double free or corruption" under load).
 """
@@ -56,6 +57,11 @@ def _raise_if_enospc(e: OSError, what: str) -> None:
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         raise DiskFullError(f"disk full while {what}: {e.strerror}; free space on the store volume "
                             "or point peerd at a larger one (--store)") from e
+
+
+def _fingerprints(files: dict) -> dict[str, tuple[int, int, int]]:
+    """verified.json's file entries as the (size, mtime, ctime) triples a stat is compared with."""
+    return {p: (v["size"], v["mtime_ns"], v["ctime_ns"]) for p, v in files.items()}
 
 
 class VersionStore:
@@ -248,14 +254,13 @@ class VersionStore:
             tmp.unlink(missing_ok=True)
             _raise_if_enospc(e, "writing verified.json")
             raise
-        self.fingerprints = {p: (v["size"], v["mtime_ns"], v["ctime_ns"]) for p, v in files.items()}
+        self.fingerprints = _fingerprints(files)
         self.suspect = False
 
     def load_fingerprints(self) -> None:
         """After a restart: the fingerprints recorded when the version completed (none: none to trust)."""
         try:
-            files = json.loads((self.model_dir / "verified.json").read_text())["files"]
-            self.fingerprints = {p: (v["size"], v["mtime_ns"], v["ctime_ns"]) for p, v in files.items()}
+            self.fingerprints = _fingerprints(json.loads((self.model_dir / "verified.json").read_text())["files"])
         except (OSError, ValueError, KeyError, TypeError):
             self.fingerprints = {}
 
@@ -275,17 +280,22 @@ class VersionStore:
         return len(data) == c.size and hashlib.sha256(data).hexdigest() == c.digest
 
     def unmark_verified(self, index: int) -> None:
-        """A chunk found corrupt on disk: not verified any more, in memory (owner's thread) and durably,
-        and the hand-off to the model server is withdrawn until the version is whole again."""
+        """A chunk found corrupt on disk is not verified any more (in memory; the owner's thread only),
+        and every chunk is re-checked before serving until the version is whole again."""
         if self.bits[index]:
             self.bits[index] = False
             self.done_chunks -= 1
             self.done_bytes -= self.manifest.chunks[index].size
-        if self._bitmap_fd is not None:
-            os.pwrite(self._bitmap_fd, b"\x00", index)
-            os.fdatasync(self._bitmap_fd)
-        (self.model_dir / "verified.json").unlink(missing_ok=True)
         self.suspect = True
+
+    def forget_durably(self, index: int) -> None:
+        """The durable half of ``unmark_verified`` (blocking: a worker thread): clear the bitmap byte so
+        a restart fetches the chunk again, and withdraw the hand-off to the model server."""
+        with self._io:
+            if self._bitmap_fd is not None:
+                os.pwrite(self._bitmap_fd, b"\x00", index)
+                os.fdatasync(self._bitmap_fd)
+        (self.model_dir / "verified.json").unlink(missing_ok=True)
 
     def verify_files(self) -> list[str]:
         """Re-hash every file against the manifest's whole-file digests; return the bad paths."""

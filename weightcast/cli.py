@@ -129,9 +129,8 @@ def cmd_train_run(a) -> int:
 
 
 def cmd_bench_allreduce(a) -> int:
-    from bench.allreduce import run_allreduce_bench
-    from training.config import TrainConfig
-    TrainConfig.load(None, [*a.set, f"world_size={a.ranks}", f"steps={a.steps}"])   # bad settings: exit 2 first
+    from bench.allreduce import method_config, run_allreduce_bench
+    method_config(a.ranks, a.steps, a.set)          # bad settings: exit 2 before the namespace is entered
     res = run_allreduce_bench(a.ranks, a.link, a.steps, a.set)
     print(json.dumps(res, indent=None if a.json else 1))
     return 0
