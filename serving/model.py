@@ -1,11 +1,11 @@
 """The reference model: a small decoder-only transformer (real attention), sized to any target."""
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 
 @dataclass(frozen=True)
@@ -36,18 +36,36 @@ class ModelConfig:
             d += 64
 
 
+class Attention(nn.Module):
+    """Causal multi-head self-attention with separate q/k/v/o projections, so tensor parallelism can
+    split q, k and v by columns (whole heads per rank) and o by rows. The number of heads is read from
+    the width it is given: under tensor parallelism each rank runs only its own heads, unchanged."""
+
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.head_dim = c.d_model // c.n_heads
+        self.wq = nn.Linear(c.d_model, c.d_model, bias=False)
+        self.wk = nn.Linear(c.d_model, c.d_model, bias=False)
+        self.wv = nn.Linear(c.d_model, c.d_model, bias=False)
+        self.wo = nn.Linear(c.d_model, c.d_model, bias=False)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (w(x).view(b, t, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(a.transpose(1, 2).reshape(b, t, -1))
+
+
 class Block(nn.Module):
     def __init__(self, c: ModelConfig):
         super().__init__()
         self.ln1 = nn.LayerNorm(c.d_model)
-        self.attn = nn.MultiheadAttention(c.d_model, c.n_heads, batch_first=True, bias=False)
+        self.attn = Attention(c)
         self.ln2 = nn.LayerNorm(c.d_model)
         self.ff = nn.Sequential(nn.Linear(c.d_model, c.d_ff), nn.GELU(), nn.Linear(c.d_ff, c.d_model))
 
-    def forward(self, x, mask):
-        h = self.ln1(x)
-        a, _ = self.attn(h, h, h, attn_mask=mask, need_weights=False)
-        x = x + a
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
         return x + self.ff(self.ln2(x))
 
 
@@ -62,11 +80,9 @@ class TinyTransformer(nn.Module):
         self.head = nn.Linear(c.d_model, c.vocab, bias=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        t = ids.shape[1]
-        mask = torch.triu(torch.full((t, t), -math.inf, device=ids.device), diagonal=1)
-        x = self.embed(ids) + self.pos(torch.arange(t, device=ids.device))
+        x = self.embed(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
         for b in self.blocks:
-            x = b(x, mask)
+            x = b(x)
         return self.head(self.ln_f(x))
 
 

@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from serving.model import init_model
 from training.config import ConfigError, TrainConfig
 from training.data import Language, Sampler
 from training.launch import launch
@@ -18,29 +19,55 @@ def run(tmp_path, name, *overrides):
     return launch(TrainConfig.load(None, [*SMALL, *overrides]), tmp_path / name)
 
 
-@pytest.mark.parametrize("layout", ["ddp", "fsdp"])
-def test_data_parallel_layouts_match_a_single_process_over_20_steps(tmp_path, layout):
-    """fp32: the two runs differ only in the order gradients are summed (two rank partial sums averaged
-    by the all-reduce vs one sum over the batch), ~1e-7 relative per step; AdamW carries that along.
-    Tolerance: 1e-4 absolute on every step's loss and every final parameter, ~1,000x the observed gap."""
-    single = run(tmp_path, "single", "layout=single", "world_size=1", "steps=20")
-    dp = run(tmp_path, layout, f"layout={layout}", "world_size=2", "steps=20")
-    assert max(abs(a - b) for a, b in zip(single["losses"], dp["losses"])) < 1e-4
-    a, b = torch.load(tmp_path / "single" / "model.pt"), torch.load(tmp_path / layout / "model.pt")
+@pytest.fixture(scope="module")
+def single_run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("single")
+    res = launch(TrainConfig.load(None, [*SMALL, "model.n_layers=4", "layout=single", "world_size=1", "steps=20"]),
+                 d / "run")
+    return res, torch.load(d / "run" / "model.pt")
+
+
+@pytest.mark.parametrize("overrides", [
+    ["layout=ddp"], ["layout=fsdp"], ["layout=tp"],
+    ["layout=pp", "pp_schedule=gpipe"], ["layout=pp", "pp_schedule=1f1b", "world_size=4", "microbatches=4"],
+    ["layout=fsdp_tp", "world_size=4", "tp_degree=2"],
+    ["layout=ddp", "overlap=false", "bucket_mb=0.01"],
+    # rank 1 three times slower: it gets fewer samples, and the weighted gradient is still the batch mean
+    ["layout=ddp", "rebalance=true", 'slow_ranks={"1": 3}'],
+], ids=lambda o: ",".join(o))
+def test_every_layout_matches_a_single_process_over_20_steps(tmp_path, single_run, overrides):
+    """fp32: a layout changes only the order in which sums are formed (per-rank partial sums averaged
+    by an all-reduce, row-parallel partial products, microbatch gradients accumulated), ~1e-7 relative
+    per step; AdamW divides by sqrt of tiny second moments and carries that along (observed 1e-6 on
+    losses, 3e-5 on parameters). Tolerance: 1e-4 absolute on every step's loss and every final parameter."""
+    single, a = single_run
+    res = launch(TrainConfig.load(None, [*SMALL, "model.n_layers=4", "world_size=2", "steps=20", *overrides]),
+                 tmp_path / "run")
+    b = torch.load(tmp_path / "run" / "model.pt")
+    assert max(abs(x - y) for x, y in zip(single["losses"], res["losses"])) < 1e-4
     assert set(a) == set(b)
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-4
     assert single["losses"][-1] < single["losses"][0] - 0.3       # and it learns
+    if "rebalance=true" in overrides:
+        fast, slow = res["samples_per_step_by_rank"]
+        assert fast + slow == 8 and slow < fast, res["samples_per_step_by_rank"]
 
 
-# local_sgd sends the whole model (as many bytes as one all-reduce of the gradients) once every 8 steps:
-# 5 of the 38 steady steps (2..39) the summary averages
+# local_sgd / diloco send the whole model (as many bytes as one all-reduce of the gradients) once every
+# 8 steps: 5 of the 38 steady steps (2..39) the summary averages. powersgd (rank 2) sends (n+m)*2 numbers
+# per n x m matrix and every vector whole: 0.244 of the gradient for this model (computed from its shapes)
 @pytest.mark.parametrize("comm,ratio_to_allreduce", [("fp16", 0.5), ("int8_ef", 0.25), ("topk_ef", 0.1),
-                                                      ("local_sgd", 5 / 38)])
+                                                      ("powersgd", None), ("local_sgd", 5 / 38),
+                                                      ("diloco", 5 / 38)])
 def test_compressed_methods_learn_and_send_fewer_bytes(tmp_path, comm, ratio_to_allreduce):
     base = run(tmp_path, "base", "steps=40")
     res = run(tmp_path, comm, f"comm={comm}", "topk_ratio=0.05", "sync_every=8", "steps=40")
     assert res["loss_last"] < res["loss_first"] - 0.5, res["losses"]
     ratio = res["sent_bytes_per_step_per_rank"] / base["sent_bytes_per_step_per_rank"]
+    if ratio_to_allreduce is None:                                # powersgd: from the model's shapes
+        shapes = [p.shape for p in init_model(TrainConfig.load(None, SMALL).model, 0).parameters()]
+        low = sum((s[0] + s[1]) * 2 if len(s) == 2 and min(s) > 2 else s.numel() for s in shapes)
+        ratio_to_allreduce = low / sum(s.numel() for s in shapes)
     assert ratio == pytest.approx(ratio_to_allreduce, rel=0.05), ratio   # counted at the process group, per step
 
 
@@ -64,7 +91,16 @@ def test_bad_configs_are_refused_before_any_process_starts(tmp_path, capsys):
                              (["comm=powersgd2"], "comm 'powersgd2'"), (["layot=ddp"], "did you mean layout"),
                              (["model.d_modle=64"], "did you mean model.d_model"), (["steps=0"], "steps must be"),
                              (["layout=single"], "runs one process"),
-                             (["layout=fsdp", "comm=int8_ef"], "DDP gradient hook")]:
+                             (["layout=fsdp", "comm=int8_ef"], "DDP gradient method"),
+                             (["layout=tp", "world_size=4"], "degree 4 does not divide model.n_heads=2"),
+                             (["layout=fsdp_tp", "world_size=6", "tp_degree=4"], "not divisible by tp_degree 4"),
+                             (["layout=pp", "world_size=4"], "n_layers >= 4"),
+                             (["layout=pp", "microbatches=3"], "3 equal microbatches"),
+                             (["layout=pp", "pp_schedule=zb"], "pp_schedule 'zb'"),
+                             (["layout=tp", "rebalance=true"], "rebalance sizes data-parallel shares"),
+                             (['slow_ranks={"5": 2}'], "ranks are 0..1"),
+                             (["layout=tp", "overlap=false"], "overlap=false"),
+                             (["overlap=maybe"], "overlap must be true or false")]:
         with pytest.raises(ConfigError, match=words):
             TrainConfig.load(None, [*SMALL, *overrides])
     cfg = tmp_path / "c.json"

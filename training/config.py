@@ -11,8 +11,10 @@ from pathlib import Path
 
 from serving.model import ModelConfig
 
-LAYOUTS = ("single", "ddp", "fsdp")
-COMMS = ("allreduce", "fp16", "int8_ef", "topk_ef", "local_sgd")
+LAYOUTS = ("single", "ddp", "fsdp", "tp", "pp", "fsdp_tp")
+COMMS = ("allreduce", "fp16", "int8_ef", "topk_ef", "powersgd", "local_sgd", "diloco")
+PP_SCHEDULES = ("gpipe", "1f1b")
+DATA_PARALLEL = ("ddp", "fsdp", "fsdp_tp")
 OPTIMIZERS = ("adamw", "sgd")
 
 
@@ -24,18 +26,29 @@ class ConfigError(ValueError):
 class TrainConfig:
     model: ModelConfig = field(default_factory=lambda: ModelConfig(vocab=256, d_model=64, n_layers=2, n_heads=2,
                                                                    d_ff=128, max_seq=32))
-    layout: str = "ddp"              # single | ddp | fsdp (FSDP2 fully_shard per block: params, grads, optimiser state)
+    # single | ddp | fsdp (FSDP2 fully_shard per block: params, grads, optimiser state sharded) |
+    # tp (tensor parallel over all ranks) | pp (pipeline stages over all ranks) | fsdp_tp (2-D: data x tensor)
+    layout: str = "ddp"
     world_size: int = 2              # rank processes
+    tp_degree: int = 2               # fsdp_tp: ranks per tensor-parallel group (data-parallel degree = world / tp)
+    pp_schedule: str = "1f1b"        # pp: gpipe | 1f1b
+    microbatches: int = 4            # pp: microbatches per step (global_batch must divide into them)
     global_batch: int = 16           # sequences per step, summed over data-parallel ranks
     seq_len: int = 32
     steps: int = 50
     optimizer: str = "adamw"
     lr: float = 3e-3
     weight_decay: float = 0.0
-    comm: str = "allreduce"          # allreduce | fp16 | int8_ef | topk_ef | local_sgd
+    comm: str = "allreduce"          # allreduce | fp16 | int8_ef | topk_ef | powersgd | local_sgd | diloco
     bucket_mb: float = 25.0          # DDP gradient bucket size
+    overlap: bool = True             # reduce buckets while backward runs (False: one reduction after backward)
     topk_ratio: float = 0.01         # topk_ef: fraction of each bucket sent
-    sync_every: int = 8              # local_sgd: average parameters every H steps
+    powersgd_rank: int = 2           # powersgd: rank of the low-rank approximation of each gradient matrix
+    sync_every: int = 8              # local_sgd / diloco: synchronise every H steps
+    outer_lr: float = 0.7            # diloco: outer SGD (Nesterov) learning rate on the averaged pseudo-gradient
+    outer_momentum: float = 0.9      # diloco
+    rebalance: bool = False          # data parallel: size each rank's share of the batch by its measured speed
+    slow_ranks: dict = field(default_factory=dict)   # {"1": 2.0}: rank 1 computes 2x slower (an injected delay)
     seed: int = 0                    # model init
     data_seed: int = 1234            # the synthetic language
     log_every: int = 10
@@ -52,12 +65,13 @@ class TrainConfig:
         if self.optimizer not in OPTIMIZERS:
             out.append(f"optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
         ints = {"world_size": (1, 1024), "global_batch": (1, 1 << 20), "seq_len": (2, 1 << 16), "steps": (1, 1 << 30),
-                "sync_every": (1, 1 << 20), "log_every": (1, 1 << 30)}
+                "sync_every": (1, 1 << 20), "log_every": (1, 1 << 30), "tp_degree": (1, 1024),
+                "microbatches": (1, 1 << 16), "powersgd_rank": (1, 1 << 16)}
         for name, (lo, hi) in ints.items():
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
                 out.append(f"{name} must be an integer in [{lo}, {hi}], got {v!r}")
-        for name in ("lr", "bucket_mb", "topk_ratio"):
+        for name in ("lr", "bucket_mb", "topk_ratio", "outer_lr"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
                 out.append(f"{name} must be a positive number, got {v!r}")
@@ -67,16 +81,66 @@ class TrainConfig:
             out.append(f"model.n_heads={m.n_heads} does not divide model.d_model={m.d_model}")
         if isinstance(self.seq_len, int) and self.seq_len > m.max_seq:
             out.append(f"seq_len {self.seq_len} exceeds model.max_seq {m.max_seq}")
-        if self.layout == "fsdp" and self.comm != "allreduce":
-            out.append(f"comm {self.comm!r} is a DDP gradient hook; fsdp reduces with its own reduce-scatter "
-                       "(use layout=ddp to compare methods)")
+        if self.pp_schedule not in PP_SCHEDULES:
+            out.append(f"pp_schedule {self.pp_schedule!r} is not one of {', '.join(PP_SCHEDULES)}")
+        for name in ("overlap", "rebalance"):
+            if not isinstance(getattr(self, name), bool):
+                out.append(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.outer_momentum, (int, float)) or not 0 <= self.outer_momentum < 1:
+            out.append(f"outer_momentum must be in [0, 1), got {self.outer_momentum!r}")
+        if out:
+            return out                                      # the layout checks below need sane types
+        if self.layout != "ddp" and self.comm != "allreduce":
+            out.append(f"comm {self.comm!r} is a DDP gradient method; layout {self.layout} reduces with its own "
+                       "collectives (use layout=ddp to compare methods)")
+        if not self.overlap and (self.layout != "ddp" or self.comm != "allreduce"):
+            out.append("overlap=false (one all-reduce after backward) is a choice of layout=ddp with comm=allreduce")
         if self.layout == "single" and self.world_size != 1:
             out.append(f"layout 'single' runs one process; world_size is {self.world_size}")
-        if (isinstance(self.global_batch, int) and isinstance(self.world_size, int) and self.world_size > 0
-                and self.global_batch % self.world_size):
-            out.append(f"global_batch {self.global_batch} is not divisible by the {self.world_size} data-parallel "
-                       f"ranks; use a multiple of {self.world_size}")
+        tp = self.tensor_degree()
+        if tp > 1:
+            for what, n in (("model.n_heads", m.n_heads), ("model.d_ff", m.d_ff)):
+                if n % tp:
+                    out.append(f"tensor-parallel degree {tp} does not divide {what}={n} (each rank takes whole "
+                               f"heads and an equal slice of the MLP); use a degree that divides it")
+        if self.layout == "fsdp_tp" and self.world_size % self.tp_degree:
+            out.append(f"world_size {self.world_size} is not divisible by tp_degree {self.tp_degree} "
+                       "(the 2-D mesh is data x tensor)")
+        if self.layout == "pp":
+            if self.world_size > m.n_layers:
+                out.append(f"pp puts at least one block on each stage: {self.world_size} stages need "
+                           f"model.n_layers >= {self.world_size}, got {m.n_layers}")
+            if self.global_batch % self.microbatches:
+                out.append(f"global_batch {self.global_batch} does not split into {self.microbatches} equal microbatches")
+        dp = self.dp_size()
+        if self.global_batch % dp:
+            out.append(f"global_batch {self.global_batch} is not divisible by the {dp} data-parallel "
+                       f"ranks; use a multiple of {dp}")
+        if self.rebalance and self.layout not in ("ddp", "fsdp"):
+            out.append(f"rebalance sizes data-parallel shares: layout ddp or fsdp, not {self.layout}")
+        if not isinstance(self.slow_ranks, dict):
+            out.append('slow_ranks maps a rank to its slowdown factor, e.g. {"1": 2.0}')
+        else:
+            for k, v in self.slow_ranks.items():
+                if not (str(k).isdigit() and int(k) < self.world_size):
+                    out.append(f"slow_ranks names rank {k!r}; ranks are 0..{self.world_size - 1}")
+                if not isinstance(v, (int, float)) or isinstance(v, bool) or not 1 <= v <= 100:
+                    out.append(f"slow_ranks[{k!r}] is a slowdown factor in [1, 100], got {v!r}")
         return out
+
+    def tensor_degree(self) -> int:
+        return {"tp": self.world_size, "fsdp_tp": self.tp_degree}.get(self.layout, 1)
+
+    def dp_size(self) -> int:
+        """Data-parallel ranks: the number of distinct shares each global batch is split into."""
+        if self.layout in ("ddp", "fsdp"):
+            return self.world_size
+        if self.layout == "fsdp_tp":
+            return max(1, self.world_size // self.tp_degree)
+        return 1
+
+    def slowdown(self, rank: int) -> float:
+        return float(self.slow_ranks.get(str(rank), 1.0))
 
     def check(self) -> "TrainConfig":
         p = self.problems()

@@ -59,9 +59,10 @@ class Sampler:
         base, extra = divmod(self.global_batch, world)
         return [base + (1 if r < extra else 0) for r in range(world)]
 
-    def batch(self, rank: int, world: int) -> torch.Tensor:
-        """This rank's share of the next step (does not advance: call ``advance`` after the step)."""
-        shares = self.shares(world)
+    def batch(self, rank: int, world: int, shares: list[int] | None = None) -> torch.Tensor:
+        """This rank's share of the next step (does not advance: call ``advance`` after the step).
+        ``shares``: samples per data-parallel rank when rebalanced (they sum to the global batch)."""
+        shares = shares or self.shares(world)
         start = self.next_step * self.global_batch + sum(shares[:rank])
         return self.language.samples(start, shares[rank], self.seq_len, self._table)
 

@@ -30,9 +30,11 @@ def launch(cfg: TrainConfig, out_dir: Path | None = None) -> dict:
     wall = time.perf_counter() - t0
     ranks = [json.loads((work / f"rank{r}.json").read_text()) for r in range(cfg.world_size)]
     steps = cfg.steps
-    # the loss of a step is the mean over the whole global batch: weight each rank by its share
-    total = sum(r["samples_per_step"] for r in ranks)
-    loss = [sum(r["losses"][s] * r["samples_per_step"] for r in ranks) / total for s in range(steps)]
+    # the loss of a step is the mean over the whole global batch: weight each reporting rank by its
+    # share of that step (shares move when rebalancing)
+    reporting = [r for r in ranks if r["losses"] is not None]
+    loss = [sum(r["losses"][s] * r["samples"][s] for r in reporting) / sum(r["samples"][s] for r in reporting)
+            for s in range(steps)]
     steady = slice(min(2, steps - 1), steps)                     # the first steps include warm-up
     step_s = [max(r["step_s"][s] for r in ranks) for s in range(steps)]
     tokens = cfg.global_batch * (cfg.seq_len - 1)
@@ -43,6 +45,7 @@ def launch(cfg: TrainConfig, out_dir: Path | None = None) -> dict:
                statistics.mean(statistics.mean(r["sent_bytes"][steady]) for r in ranks),
                "step_s": step_s, "step_s_median": statistics.median(step_s[steady]),
                "tokens_per_s": tokens / statistics.median(step_s[steady]),
+               "samples_per_step_by_rank": [statistics.mean(r["samples"][steady]) for r in ranks],
                "wall_s": round(wall, 2), "out_dir": str(work),
                "config": cfg.to_dict()}
     if cfg.out:

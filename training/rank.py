@@ -1,7 +1,9 @@
-"""One rank process: build the model, join the process group, train, write this rank's record.
+"""One rank process: join the process group, build the model for its layout, train, write its record.
 
-The per-step loop never leaves this process (no control plane): forward, backward (DDP reduces the
-gradient buckets through the selected comm hook while backward runs), optimiser step, sampler advance.
+The per-step loop never leaves this process (no control plane): make this rank's share of the batch,
+forward, backward (DDP reduces the gradient buckets through the selected comm hook while backward runs;
+FSDP/TP/PP run their own collectives), optimiser step, outer synchronisation every H steps for
+local_sgd/diloco, rate exchange when rebalancing, sampler advance.
 """
 from __future__ import annotations
 
@@ -12,12 +14,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from serving.model import init_model
-from training.comm import HOOKS, CommState, average_params
+from training.balance import Balancer
+from training.comm import HOOKS, CommState, OuterSync, reduce_after_backward
 from training.config import TrainConfig
 from training.data import Language, Sampler
+from training.layouts import full_state_dict, placement, wrap
+from training.pipeline import Pipeline
+
+BACKWARD_OVER_FORWARD = 2.0     # backward costs about twice the forward (FLOPs): for the speed estimate
 
 
 def device_for(rank: int) -> torch.device:
@@ -30,24 +36,6 @@ def device_for(rank: int) -> torch.device:
 def lm_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     logits = model(ids[:, :-1])
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
-
-
-def shard_fully(model: torch.nn.Module) -> None:
-    """FSDP2 (ZeRO-3): each transformer block is one unit whose parameters, gradients and optimiser
-    state are sharded over the ranks and gathered only around its own forward and backward."""
-    from torch.distributed.fsdp import fully_shard
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
-
-
-def full_state_dict(model: torch.nn.Module, layout: str, world: int) -> dict:
-    """The whole model's weights on the CPU (gathered from the shards under fsdp)."""
-    if layout == "fsdp" and world > 1:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    core = model.module if isinstance(model, DDP) else model
-    return {k: v.detach().cpu() for k, v in core.state_dict().items()}
 
 
 def make_optimizer(cfg: TrainConfig, params) -> torch.optim.Optimizer:
@@ -65,39 +53,64 @@ def run_rank(rank: int, cfg_dict: dict, out_dir: str) -> None:
         # rendezvous through a file in the job's directory: no port to pick, nothing to collide with
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
                                 init_method=f"file://{Path(out_dir, 'rendezvous').resolve()}")
-    model = init_model(cfg.model, cfg.seed).train().to(device)
-    state = CommState(cfg.comm, world, cfg.topk_ratio)
-    if cfg.layout == "ddp" and world > 1:
-        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                    bucket_cap_mb=cfg.bucket_mb)
-        model.register_comm_hook(state, HOOKS[cfg.comm])
-    elif cfg.layout == "fsdp" and world > 1:
-        shard_fully(model)
-    opt = make_optimizer(cfg, model.parameters())
+    place = placement(cfg, rank)
+    model = init_model(cfg.model, cfg.seed).train().to(device)     # the same initial weights on every rank
+    state = CommState(cfg.comm, place.dp_size, cfg.topk_ratio, cfg.powersgd_rank)
+    pipe = Pipeline(cfg, model, rank, device) if cfg.layout == "pp" and world > 1 else None
+    if pipe is None:
+        model = wrap(cfg, model, device, state, HOOKS[cfg.comm])
+    core = pipe.module if pipe else getattr(model, "module", model)
+    opt = make_optimizer(cfg, core.parameters())
+    outer = (OuterSync(cfg.comm, core, state, cfg.outer_lr, cfg.outer_momentum)
+             if cfg.comm in ("local_sgd", "diloco") and world > 1 else None)
+    balancer = Balancer(cfg.global_batch, place.dp_size) if cfg.rebalance and world > 1 else None
     sampler = Sampler(Language(cfg.model.vocab, cfg.data_seed), cfg.global_batch, cfg.seq_len)
-    losses, sent, step_s = [], [], []
+    slowdown = cfg.slowdown(rank)
+    losses, sent, step_s, samples = [], [], [], []
     for step in range(cfg.steps):
         t0 = time.perf_counter()
         before = state.sent_bytes
-        ids = sampler.batch(rank, world).to(device)
-        loss = lm_loss(model, ids)
+        shares = balancer.shares() if balancer else sampler.shares(place.dp_size)
+        mine = shares[place.dp_rank]
+        ids = sampler.batch(place.dp_rank, place.dp_size, shares).to(device)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        if pipe is not None:
+            loss = pipe.step(ids)
+        else:
+            loss_t = lm_loss(model, ids)
+            t_fwd = time.perf_counter() - t0                      # making the share and its forward
+            work = t_fwd * (1 + BACKWARD_OVER_FORWARD)           # this rank's compute, without any waiting
+            if slowdown > 1:                                     # an injected slow rank (config slow_ranks)
+                time.sleep((slowdown - 1) * work)
+                work *= slowdown
+            if balancer:
+                loss_t = loss_t * Balancer.loss_weight(mine, place.dp_size, cfg.global_batch)
+            if cfg.overlap:
+                loss_t.backward()
+            else:
+                with model.no_sync():
+                    loss_t.backward()
+                reduce_after_backward(core, state)
+            loss = loss_t.item() / (Balancer.loss_weight(mine, place.dp_size, cfg.global_batch) if balancer else 1)
         opt.step()
-        if cfg.comm == "local_sgd" and world > 1 and (step + 1) % cfg.sync_every == 0:
-            average_params(model.module if isinstance(model, DDP) else model, state)
+        if outer and (step + 1) % cfg.sync_every == 0:
+            outer.sync()
+        if balancer:
+            balancer.observe(mine, work)
         sampler.advance()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         step_s.append(time.perf_counter() - t0)
-        losses.append(loss.item())
+        losses.append(loss)
         sent.append(state.sent_bytes - before)
-    counted = cfg.layout != "fsdp"       # FSDP2's own collectives are not behind our counting hooks
-    record = {"rank": rank, "device": str(device), "losses": losses, "sent_bytes": sent if counted else None,
-              "step_s": step_s,
-              "samples_per_step": sampler.shares(world)[rank], "next_step": sampler.next_step}
+        samples.append(mine)
+    # DDP hooks count every byte of gradient traffic; FSDP/TP/PP collectives are torch's own
+    counted = cfg.layout == "ddp" or world == 1
+    record = {"rank": rank, "device": str(device), "losses": losses if place.reports_loss else None,
+              "sent_bytes": sent if counted else None, "step_s": step_s, "samples": samples,
+              "rates": balancer.rates if balancer else None, "next_step": sampler.next_step}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(record))
-    full = full_state_dict(model, cfg.layout, world)       # a collective under fsdp: every rank calls it
+    full = pipe.full_state_dict() if pipe else full_state_dict(model, cfg)   # a collective: every rank calls it
     if rank == 0:
         torch.save(full, Path(out_dir, "model.pt"))
     if world > 1:

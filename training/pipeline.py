@@ -1,0 +1,80 @@
+"""Pipeline parallelism with ``torch.distributed.pipelining``: the reference transformer cut into one
+stage per rank (embeddings with the first blocks, the head with the last), trained by a GPipe or 1F1B
+schedule over ``microbatches`` microbatches. Each stage keeps the full model's parameter names, so the
+stages' state dicts merge back into the single-process model's."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from training.config import TrainConfig
+
+
+def block_ranges(n_layers: int, stages: int) -> list[range]:
+    """Blocks per stage, as even as possible (earlier stages take the extra one)."""
+    base, extra = divmod(n_layers, stages)
+    out, lo = [], 0
+    for s in range(stages):
+        hi = lo + base + (1 if s < extra else 0)
+        out.append(range(lo, hi))
+        lo = hi
+    return out
+
+
+class Stage(nn.Module):
+    """Part of a TinyTransformer: names like ``blocks.3.attn.wq.weight`` are kept from the whole model."""
+
+    def __init__(self, model: nn.Module, blocks: range, first: bool, last: bool):
+        super().__init__()
+        self.first, self.last = first, last
+        if first:
+            self.embed, self.pos = model.embed, model.pos
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in blocks})
+        if last:
+            self.ln_f, self.head = model.ln_f, model.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            x = self.embed(x) + self.pos(torch.arange(x.shape[1], device=x.device))
+        for b in self.blocks.values():
+            x = b(x)
+        return self.head(self.ln_f(x)) if self.last else x
+
+
+def _lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+class Pipeline:
+    def __init__(self, cfg: TrainConfig, model: nn.Module, rank: int, device: torch.device):
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        n = cfg.world_size
+        self.rank, self.n = rank, n
+        self.module = Stage(model, block_ranges(cfg.model.n_layers, n)[rank], rank == 0, rank == n - 1).to(device)
+        stage = PipelineStage(self.module, rank, n, device)
+        schedule = ScheduleGPipe if cfg.pp_schedule == "gpipe" else Schedule1F1B
+        # scale_grads: each microbatch's mean loss contributes 1/microbatches, so the gradient is the
+        # mean over the whole batch, as in one process
+        self.schedule = schedule(stage, n_microbatches=cfg.microbatches, loss_fn=_lm_loss, scale_grads=True)
+
+    def step(self, ids: torch.Tensor) -> float | None:
+        """Forward and backward of one global batch through all stages; the loss on the last stage."""
+        inputs, targets = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+        if self.rank == 0:
+            self.schedule.step(inputs)
+        elif self.rank == self.n - 1:
+            losses: list[torch.Tensor] = []
+            self.schedule.step(target=targets, losses=losses)
+            return float(torch.stack([loss.detach() for loss in losses]).mean())
+        else:
+            self.schedule.step()
+        return None
+
+    def full_state_dict(self) -> dict:
+        """Every stage's weights merged (a collective: every stage calls it)."""
+        mine = {k: v.detach().cpu() for k, v in self.module.state_dict().items()}
+        parts: list[dict | None] = [None] * self.n
+        dist.all_gather_object(parts, mine)
+        return {k: v for p in parts for k, v in p.items()}
