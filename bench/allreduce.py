@@ -3,7 +3,7 @@
 The ranks run inside a private network namespace (``unshare -rn``, no privileges needed) whose
 loopback is rate-limited with ``tc qdisc ... tbf``: every byte between ranks crosses that one limited
 loopback, so all ranks share one link of ``--link`` (a real fleet gives each host its own). For each
-method, in one run: bytes each rank hands to the process group per step, step time, loss after the
+method (and plain all-reduce without overlap, and with 1 MB buckets), in one run: bytes each rank hands to the process group per step, step time, loss after the
 same number of steps, and wall time until the loss plain all-reduce reaches after ``--steps`` (every
 method may run up to twice as many steps to get there). Plain all-reduce's bus bandwidth,
 2(n-1)/n * S / t, is timed apart on bare ``all_reduce`` calls of the gradient's size (inside a step
@@ -28,16 +28,21 @@ import torch.multiprocessing as mp
 from training.config import TrainConfig
 from training.launch import launch
 
-METHODS = ("allreduce", "fp16", "int8_ef", "topk_ef", "local_sgd")
+# (row, comm, extra settings): the baseline, its overlap and bucket variants, then every method
+METHODS = (("allreduce", "allreduce", []), ("allreduce_no_overlap", "allreduce", ["overlap=false"]),
+           ("allreduce_bucket_1mb", "allreduce", ["bucket_mb=1"]), ("fp16", "fp16", []), ("int8_ef", "int8_ef", []),
+           ("topk_ef", "topk_ef", []), ("powersgd", "powersgd", []), ("local_sgd", "local_sgd", []),
+           ("diloco", "diloco", []))
 DEFAULT_MODEL = ["model.vocab=1024", "model.d_model=256", "model.n_layers=4", "model.n_heads=4", "model.d_ff=1024",
                  "model.max_seq=32", "seq_len=32", "global_batch=8", "lr=3e-3"]
 BUSBW_REPEATS = 5
 
 
-def method_config(ranks: int, steps: int, overrides: list[str], comm: str = "allreduce") -> TrainConfig:
+def method_config(ranks: int, steps: int, overrides: list[str], comm: str = "allreduce",
+                  extra: list[str] = ()) -> TrainConfig:
     """One method's run: the benchmark's model, the caller's overrides, up to twice ``steps`` steps.
     Raises ConfigError (so the CLI can refuse bad settings before entering the namespace)."""
-    return TrainConfig.load(None, [*DEFAULT_MODEL, *overrides, "layout=ddp", f"world_size={ranks}",
+    return TrainConfig.load(None, [*DEFAULT_MODEL, *overrides, *extra, "layout=ddp", f"world_size={ranks}",
                                    f"comm={comm}", f"steps={2 * steps}"])
 
 
@@ -100,8 +105,8 @@ def allreduce_seconds(world: int, nbytes: int) -> float:
 
 def inside(ranks: int, link_bps: float, steps: int, overrides: list[str]) -> dict:
     runs = {}
-    for m in METHODS:
-        runs[m] = launch(method_config(ranks, steps, overrides, m))
+    for name, comm, extra in METHODS:
+        runs[name] = launch(method_config(ranks, steps, overrides, comm, extra))
     plain = runs["allreduce"]
     target = plain["losses"][steps - 1]                      # where plain all-reduce is after --steps
     grad_bytes = plain["sent_bytes_per_step_per_rank"]

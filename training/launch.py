@@ -2,6 +2,7 @@
 of what happened: loss, bytes each rank handed to the process group per step, throughput."""
 from __future__ import annotations
 
+import faulthandler
 import json
 import statistics
 import tempfile
@@ -15,6 +16,11 @@ from training.data import Language
 from training.rank import run_rank
 
 
+def _spawned_rank(rank: int, cfg_dict: dict, out_dir: str) -> None:
+    faulthandler.enable()            # a native abort in a collective still names the Python line
+    run_rank(rank, cfg_dict, out_dir)
+
+
 def launch(cfg: TrainConfig, out_dir: Path | None = None) -> dict:
     """Run the job to the end; raises ConfigError before any process starts if the config cannot run."""
     cfg.check()
@@ -25,7 +31,7 @@ def launch(cfg: TrainConfig, out_dir: Path | None = None) -> dict:
     if cfg.world_size == 1:
         run_rank(0, cfg.to_dict(), str(work))
     else:
-        mp.start_processes(run_rank, args=(cfg.to_dict(), str(work)), nprocs=cfg.world_size,
+        mp.start_processes(_spawned_rank, args=(cfg.to_dict(), str(work)), nprocs=cfg.world_size,
                            start_method="spawn", join=True)
     wall = time.perf_counter() - t0
     ranks = [json.loads((work / f"rank{r}.json").read_text()) for r in range(cfg.world_size)]

@@ -7,7 +7,9 @@ local_sgd/diloco, rate exchange when rebalancing, sampler advance.
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import time
 from pathlib import Path
 
@@ -48,6 +50,8 @@ def run_rank(rank: int, cfg_dict: dict, out_dir: str) -> None:
     cfg = TrainConfig.from_dict(cfg_dict)
     world = cfg.world_size
     device = device_for(rank)
+    if device.type == "cpu":         # ranks share the machine's cores: no oversubscription
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     torch.manual_seed(cfg.seed)
     if world > 1:
         # rendezvous through a file in the job's directory: no port to pick, nothing to collide with
@@ -77,7 +81,9 @@ def run_rank(rank: int, cfg_dict: dict, out_dir: str) -> None:
         if pipe is not None:
             loss = pipe.step(ids)
         else:
-            loss_t = lm_loss(model, ids)
+            # overlap=false: DDP decides at forward time whether backward reduces, so no_sync covers both
+            with contextlib.nullcontext() if cfg.overlap else model.no_sync():
+                loss_t = lm_loss(model, ids)
             t_fwd = time.perf_counter() - t0                      # making the share and its forward
             work = t_fwd * (1 + BACKWARD_OVER_FORWARD)           # this rank's compute, without any waiting
             if slowdown > 1:                                     # an injected slow rank (config slow_ranks)

@@ -136,6 +136,21 @@ def cmd_bench_allreduce(a) -> int:
     return 0
 
 
+def cmd_bench_rebalance(a) -> int:
+    from bench.rebalance import rebalance_config, run_rebalance_bench
+    rebalance_config(a.ranks, a.steps, a.batch_per_rank, a.set)     # bad settings: exit 2 first
+    res = run_rebalance_bench(a.ranks, a.slowdown, a.steps, a.batch_per_rank, a.set)
+    print(json.dumps(res, indent=None if a.json else 1))
+    return 0
+
+
+def cmd_bench_train(a) -> int:
+    from bench.train_layouts import run_layout_bench
+    res = run_layout_bench(a.layouts.split(","), a.ranks, a.steps, a.set)
+    print(json.dumps(res, indent=None if a.json else 1))
+    return 0
+
+
 def cmd_bench_soak(a) -> int:
     from bench.soak import run_soak
     bar, t0 = Progress("soak"), time.monotonic()
@@ -250,8 +265,12 @@ async def _watch(client, workflow_id: str) -> int:
         total = max(1, st["bytes_total"])
         bar(asyncio.get_running_loop().time() - t0, st["bytes_done"] if st["phase"] == "distribute" else
             st["counts"].get("ready", 0) * total / max(1, len(st["hosts"])), total)
-        if st["stuck"]:
-            print(f"\nstuck (no progress for 30 s): {st['stuck']}", file=sys.stderr)
+        for host in st["stuck"]:
+            p = st["progress"][host]
+            why = (f"silent for {p['heartbeat_age_s']} s" if (p["heartbeat_age_s"] or 0) >= 6
+                   else f"no chunk verified for {p['idle_s']} s")
+            print(f"\nstuck: {host}: {why}, attempt {p['attempt']}"
+                  + (f", last error: {p['last_error']}" if p["last_error"] else ""), file=sys.stderr)
         desc = await h.describe()
         if desc.status != WorkflowExecutionStatus.RUNNING:
             bar.close()
@@ -405,6 +424,24 @@ def build_parser() -> argparse.ArgumentParser:
     ba.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="TrainConfig overrides")
     ba.add_argument("--json", action="store_true")
     ba.set_defaults(fn=cmd_bench_allreduce)
+
+    br = bench.add_parser("rebalance", help="one slow data-parallel rank: equal shares vs rebalanced vs balanced")
+    br.add_argument("--ranks", type=int, default=2)
+    br.add_argument("--slowdown", type=float, default=2.0, help="the last rank computes this many times slower")
+    br.add_argument("--steps", type=int, default=30)
+    br.add_argument("--batch-per-rank", type=int, default=16)
+    br.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="TrainConfig overrides")
+    br.add_argument("--json", action="store_true")
+    br.set_defaults(fn=cmd_bench_rebalance)
+
+    bt = bench.add_parser("train", help="tokens/s of each parallelism layout, side by side")
+    bt.add_argument("--layouts", default="single,ddp,fsdp,tp,pp,fsdp_tp",
+                    help="comma-separated layouts (fsdp_tp uses tp_degree=2 and needs --ranks 4)")
+    bt.add_argument("--ranks", type=int, default=2)
+    bt.add_argument("--steps", type=int, default=20)
+    bt.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="TrainConfig overrides")
+    bt.add_argument("--json", action="store_true")
+    bt.set_defaults(fn=cmd_bench_train)
 
     sk = bench.add_parser("soak", help="many swarms back to back with kills and corrupt peers; counts crashed daemons")
     sk.add_argument("--swarms", type=int, default=10)
