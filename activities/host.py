@@ -14,7 +14,7 @@ from temporalio.exceptions import ApplicationError
 
 from peerd.client import PeerdClient, PeerdError
 from peerd.http_input import bearer_headers
-from workflows.types import DistributeInput, DistributeResult, LoadInput
+from workflows.types import DiscardInput, DistributeInput, DistributeResult, LoadInput
 
 
 def progress_details(host: str, st: dict) -> dict:
@@ -47,17 +47,52 @@ class HostActivities:
                 raise ApplicationError(f"{self.host_id}: {e.message}", type=f"Peerd{e.status}",
                                        non_retryable=e.status in (400, 401, 422, 507)) from None
             vid = st["version_id"]
-            while True:
-                st = await c.job(vid)
-                activity.heartbeat(progress_details(self.host_id, st))
-                if st["state"] == "complete":
-                    break
-                if st["state"] == "failed":
-                    err = st["error"] or {}
-                    raise ApplicationError(f"{self.host_id}: {err.get('code')}: {err.get('message')}",
-                                           type=f"Job_{err.get('code')}", non_retryable=err.get("code") == "disk_full")
-                await asyncio.sleep(0.2)
+            try:
+                while True:
+                    st = await c.job(vid)
+                    activity.heartbeat(progress_details(self.host_id, st))
+                    if st["state"] == "complete":
+                        break
+                    if st["state"] in ("failed", "stopped"):
+                        err = st["error"] or {}
+                        raise ApplicationError(f"{self.host_id}: {err.get('code')}: {err.get('message')}",
+                                               type=f"Job_{err.get('code')}",
+                                               non_retryable=err.get("code") == "disk_full")
+                    await asyncio.sleep(0.2)
+            except asyncio.CancelledError:
+                # the rollout was paused or aborted: stop peerd's download now (its verified chunks stay
+                # for a resume; an abort removes the version afterwards)
+                await asyncio.shield(self._stop(c, vid))
+                raise
         return DistributeResult(vid, st["bytes_total"], st["bytes_by_source"], time.monotonic() - t0)
+
+    async def _stop(self, c: PeerdClient, vid: str) -> None:
+        try:
+            await c.stop_job(vid, "the rollout was paused or aborted")
+            activity.logger.info("stopped the download of %s on %s", vid[:12], self.host_id)
+        except (PeerdError, aiohttp.ClientError) as e:
+            activity.logger.warning("could not stop the download of %s on %s: %s", vid[:12], self.host_id, e)
+
+    @activity.defn(name="discard_version")
+    async def discard_version(self, inp: DiscardInput) -> dict:
+        """After an abort: unload the version from the model server if it is there (it carries no
+        traffic: the workflow moved traffic back first) and remove it from peerd's store. Idempotent."""
+        out = {"host": self.host_id, "unloaded": False, "removed": False}
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+            async with s.post(f"{self.model_server}/v1/unload", json={"model_version": inp.version},
+                              headers=self.admin) as r:
+                out["unloaded"] = r.status == 200
+                if r.status == 401:
+                    raise ApplicationError("the model server refused the admin token", type="Unauthorized",
+                                           non_retryable=True)
+        async with PeerdClient(self.peerd_addr, self.token) as c:
+            try:
+                await c.remove(inp.version_id)
+                out["removed"] = True
+            except PeerdError as e:
+                if e.status != 404:                     # 404: not stored here (already removed, never fetched)
+                    raise
+        return out
 
     @activity.defn(name="load_version")
     async def load_version(self, inp: LoadInput) -> dict:

@@ -55,6 +55,10 @@ class PeerdClient:
     async def job(self, vid: str) -> dict:
         return await self._json("GET", f"/v1/jobs/{vid}")
 
+    async def stop_job(self, vid: str, reason: str = "") -> dict:
+        """Stop fetching ``vid`` (verified chunks stay; ``start_job`` again resumes)."""
+        return await self._json("DELETE", f"/v1/jobs/{vid}", params={"reason": reason} if reason else None)
+
     async def status(self) -> dict:
         return await self._json("GET", "/v1/status")
 

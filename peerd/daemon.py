@@ -105,14 +105,14 @@ class Daemon:
         ref = body.get("manifest_ref")
         if ref is not None:
             job = self.jobs.get(ref["version_id"])
-            if job is not None and job.state != "failed":
+            if job is not None and job.state not in ("failed", "stopped"):
                 return job
             m, raw = await self._fetch_manifest(ref, origin)
         else:
             m = await asyncio.to_thread(mf.verify_signed, body["manifest"], self.trusted)   # already parsed
             raw = json.dumps(body["manifest"]).encode()                                    # kept as received
         job = self.jobs.get(m.digest)
-        if job is not None and job.state != "failed":
+        if job is not None and job.state not in ("failed", "stopped"):
             return job
         for p in body["peers"]:
             self.membership.learn(p)

@@ -52,6 +52,14 @@ class FetchJob:
         self._origin: S3Origin | None = None
         self.task: asyncio.Task | None = None
         self._fatal: Exception | None = None
+        self._stop_reason = ""
+
+    def stop(self, reason: str) -> None:
+        """Stop fetching (pause or abort upstream); verified chunks and the bitmap stay, and submitting
+        the version again resumes from them."""
+        if self.task is not None and not self.task.done():
+            self._stop_reason = reason
+            self.task.cancel()
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -72,7 +80,12 @@ class FetchJob:
         except DiskFullError as e:
             self._fail("disk_full", str(e))
         except asyncio.CancelledError:
-            self._fail("cancelled", "job cancelled (daemon stopping or version removed)")
+            if self._stop_reason:
+                self.state, self.finished = "stopped", time.time()
+                self.error = {"code": "stopped", "message": self._stop_reason}
+                log.info("job stopped", extra={"vid": self.vs.vid, "reason": self._stop_reason})
+            else:
+                self._fail("cancelled", "job cancelled (daemon stopping or version removed)")
             raise
         except Exception as e:  # the job must end in a visible state, never vanish
             log.exception("job failed")

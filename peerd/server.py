@@ -70,6 +70,15 @@ def make_app(daemon, *middlewares) -> web.Application:
     async def job_status(request):
         return web.json_response(job_for(request).status())
 
+    async def stop_job(request):
+        """Stop a download (a paused or aborted rollout); the verified chunks stay. Idempotent."""
+        job = job_for(request)
+        reason = request.query.get("reason", "stopped by the control plane")[:200]
+        job.stop(reason)
+        if job.task is not None:
+            await asyncio.wait([job.task], timeout=5)       # answer once it has really stopped
+        return web.json_response(job.status())
+
     async def status(_):
         return web.json_response({
             "host": d.config.host_id, "addr": d.addr, "rack": d.config.rack,
@@ -173,6 +182,7 @@ def make_app(daemon, *middlewares) -> web.Application:
     app.router.add_get("/metrics", metrics_handler(d.metrics.registry))
     app.router.add_post("/v1/jobs", submit_job)
     app.router.add_get("/v1/jobs/{vid}", job_status)
+    app.router.add_delete("/v1/jobs/{vid}", stop_job)
     app.router.add_get("/v1/status", status)
     app.router.add_get("/v1/versions/{vid}/bitmap", bitmap)
     app.router.add_get("/v1/versions/{vid}/manifest", manifest)

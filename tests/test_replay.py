@@ -1,7 +1,7 @@
 """Golden histories replay against today's workflow code: a change that is not replay-safe fails CI.
 Re-record with WEIGHTCAST_RECORD_HISTORIES=1 pytest tests/test_rollout.py tests/test_full_size_rollout.py
-(manifest by reference) after an intended,
-patched change (see docs/control-plane.md)."""
+tests/test_rollout_controls.py (manifest by reference; pause/resume and abort mid-distribution) after
+an intended, patched change (see docs/control-plane.md)."""
 from pathlib import Path
 
 import pytest

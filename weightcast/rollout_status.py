@@ -3,6 +3,7 @@ host's progress, read from the heartbeat details of the batch children's pending
 (describe calls, so live progress costs no history events)."""
 from __future__ import annotations
 
+import time
 from dataclasses import asdict
 
 from temporalio.client import Client
@@ -11,7 +12,8 @@ from temporalio.service import RPCError
 
 from workflows.rollout import RolloutWorkflow
 
-STUCK_AFTER_S = 30.0
+STUCK_AFTER_S = 30.0      # peerd reports, but no chunk verified for this long
+SILENT_AFTER_S = 6.0      # no heartbeat for this long (they come every 2 s): peerd or the host worker is gone
 
 
 async def live_status(client: Client, workflow_id: str) -> dict:
@@ -30,11 +32,15 @@ async def live_status(client: Client, workflow_id: str) -> dict:
                     continue
                 d = (await DataConverter.default.decode(pa.heartbeat_details.payloads))[0]
                 if isinstance(d, dict) and "host" in d:
-                    progress[d["host"]] = {**d, "attempt": pa.attempt}
+                    beat = pa.last_heartbeat_time.ToMicroseconds() / 1e6 if pa.HasField("last_heartbeat_time") else None
+                    progress[d["host"]] = {**d, "attempt": pa.attempt,
+                                           "heartbeat_age_s": round(time.time() - beat, 1) if beat else None,
+                                           "last_error": pa.last_failure.message or None}
     bytes_done = st.bytes_done + sum(p["bytes_done"] for p in progress.values())   # finished hosts + live ones
     rate = sum(sum(x["rate_bps"] for x in p["peers"]) for p in progress.values())
     remaining = st.bytes_total - bytes_done
     out.update(bytes_done=bytes_done, progress=progress,
                eta_s=round(remaining / rate, 1) if rate > 0 and remaining > 0 else None,
-               stuck=sorted(h for h, p in progress.items() if p["idle_s"] >= STUCK_AFTER_S))
+               stuck=sorted(h for h, p in progress.items() if p["idle_s"] >= STUCK_AFTER_S
+                            or (p["heartbeat_age_s"] or 0) >= SILENT_AFTER_S))
     return out

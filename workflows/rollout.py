@@ -14,11 +14,11 @@ from datetime import timedelta
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy, SearchAttributeKey
-from temporalio.exceptions import ActivityError, ApplicationError
+from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflowError
 
 with workflow.unsafe.imports_passed_through():
     from workflows.host_batch import HostBatchWorkflow
-    from workflows.types import (CONTROL_QUEUE, DistributeInput, HostBatchInput, HostOutcome, LoadInput,
+    from workflows.types import (CONTROL_QUEUE, DiscardInput, DistributeInput, HostBatchInput, HostOutcome, LoadInput,
                                  ManifestCheck, ManifestInfo, RolloutCarry, RolloutInput, RolloutStatus, TrafficInput)
 
 PHASE = SearchAttributeKey.for_keyword("RolloutPhase")
@@ -43,6 +43,7 @@ class RolloutWorkflow:
         self._phase_t0 = 0.0
         self.runs = 1
         self.acked_failures = 0       # failures the operator has seen and resumed past
+        self.controls_act_now = False  # pause/abort stop distribution and dwell at once (patched)
 
     # ---------------------------------------------------------------- controls
     @workflow.query
@@ -111,15 +112,50 @@ class RolloutWorkflow:
         self.max_loads = inp.max_concurrent_loads
         self.hosts = {h.id: "pending" for h in inp.hosts}
         self._phase_t0 = workflow.time()
+        # histories recorded before this patch checked pause/abort only between phases
+        self.controls_act_now = workflow.patched("controls-act-now")
         try:
             if inp.carry:
                 return await self._resume(inp, inp.carry)
             return await self._run(inp)
         except ApplicationError as e:
-            if e.type == "Aborted" and inp.router and inp.previous_version:
-                await self._traffic(inp, {inp.previous_version: 100}, [])
-            self._set_phase("failed", str(e))
+            failure = await self._after_abort(inp, e) if e.type == "Aborted" else None
+            self._set_phase("failed", str(failure or e))
+            if failure:
+                raise failure from None
             raise
+
+    async def _after_abort(self, inp: RolloutInput, e: ApplicationError) -> ApplicationError | None:
+        """Traffic back to the previous version, then the aborted version taken off every host. Returns
+        the error to end with when moving traffic back failed (the workflow still ends failed, saying so)."""
+        if inp.router and inp.previous_version:
+            if not self.controls_act_now:
+                await self._traffic(inp, {inp.previous_version: 100}, [])   # histories before the patch
+                return None
+            try:
+                await self._traffic(inp, {inp.previous_version: 100}, [])
+            except ActivityError as te:
+                return ApplicationError(f"{e.message}; AND moving traffic back to {inp.previous_version} failed: "
+                                        f"{te.cause or te}", type="RollbackFailed", non_retryable=True)
+        if not self.controls_act_now or not self.version_id:
+            return None
+        if self.traffic.get(inp.version):
+            # no previous version to move its traffic to: it keeps serving, so it stays where it is
+            self._set_phase("aborting", f"{inp.version} still carries {self.traffic[inp.version]}% of traffic "
+                                        "(no previous version to return to): left loaded and stored")
+            return None
+        self._set_phase("aborting", f"removing {inp.version} from {len(inp.hosts)} hosts")
+        results = await asyncio.gather(*(workflow.execute_activity(
+            "discard_version", DiscardInput(inp.version, self.version_id), task_queue=h.queue,
+            schedule_to_start_timeout=timedelta(seconds=inp.unreachable_after_s),
+            start_to_close_timeout=timedelta(seconds=120), retry_policy=RetryPolicy(maximum_attempts=3),
+            summary=f"discard {inp.version} on {h.id}") for h in inp.hosts), return_exceptions=True)
+        for h, r in zip(inp.hosts, results):
+            if isinstance(r, BaseException):
+                self.errors[h.id] = f"could not remove the aborted version: {getattr(r, 'cause', None) or r}"
+            elif self.hosts.get(h.id) not in ("failed", "unreachable"):
+                self.hosts[h.id] = "discarded"
+        return None
 
     async def _run(self, inp: RolloutInput) -> dict:
         self._set_phase("manifest", "checking the signature")
@@ -148,12 +184,15 @@ class RolloutWorkflow:
         seeders = [h.id for h in inp.hosts][:64]
         dist = DistributeInput(inp.signed_manifest, inp.origin, seeders, inp.manifest)
         batches = [inp.hosts[i:i + inp.batch_size] for i in range(0, len(inp.hosts), inp.batch_size)]
-        self.batches = [f"{workflow.info().workflow_id}-batch-{i}" for i in range(len(batches))]
-        results = await asyncio.gather(*(
-            workflow.execute_child_workflow(
-                HostBatchWorkflow.run, HostBatchInput(b, dist, inp.unreachable_after_s, inp.heartbeat_timeout_s),
-                id=self.batches[i], result_type=list[HostOutcome])
-            for i, b in enumerate(batches)))
+        if self.controls_act_now:
+            results = await self._distribute_until_stopped(inp, dist, batches)
+        else:
+            self.batches = [f"{workflow.info().workflow_id}-batch-{i}" for i in range(len(batches))]
+            results = await asyncio.gather(*(
+                workflow.execute_child_workflow(
+                    HostBatchWorkflow.run, HostBatchInput(b, dist, inp.unreachable_after_s, inp.heartbeat_timeout_s),
+                    id=self.batches[i], result_type=list[HostOutcome])
+                for i, b in enumerate(batches)))
         for outcome in (o for batch in results for o in batch):
             self.hosts[outcome.host] = outcome.state
             if outcome.error:
@@ -164,6 +203,38 @@ class RolloutWorkflow:
         await self._checkpoint()
         self._set_phase("load", f"at most {self.max_loads} hosts at a time")
         return await self._load_and_shift(inp, info)
+
+    async def _distribute_until_stopped(self, inp: RolloutInput, dist: DistributeInput,
+                                        batches: list[list]) -> list[list[HostOutcome]]:
+        """The batch children, stopped the moment a pause or an abort arrives: cancelling a child cancels
+        its distribute activities, which stop peerd's downloads (verified chunks stay). On resume the
+        children start again (new ids) and every host continues from its bitmap."""
+        attempt = 0
+        while True:
+            suffix = "" if attempt == 0 else f"-r{attempt}"
+            self.batches = [f"{workflow.info().workflow_id}-batch-{i}{suffix}" for i in range(len(batches))]
+            run = asyncio.ensure_future(asyncio.gather(*(
+                workflow.execute_child_workflow(
+                    HostBatchWorkflow.run, HostBatchInput(b, dist, inp.unreachable_after_s, inp.heartbeat_timeout_s),
+                    id=self.batches[i], result_type=list[HostOutcome])
+                for i, b in enumerate(batches))))
+            await workflow.wait_condition(lambda: run.done() or self.paused or bool(self.abort_reason))
+            if run.done():
+                return run.result()
+            run.cancel()
+            try:
+                await run
+            except (asyncio.CancelledError, ChildWorkflowError):
+                pass                                    # the children acknowledged the cancellation
+            if not self.abort_reason:
+                for h in self.hosts:
+                    self.hosts[h] = "paused"
+                self._set_phase("distribute", "PAUSED: downloads stopped, verified chunks kept; resume or abort")
+            await self._checkpoint()
+            self._set_phase("distribute", f"resumed: {len(inp.hosts)} hosts continue from their bitmaps")
+            for h in self.hosts:
+                self.hosts[h] = "downloading"
+            attempt += 1
 
     async def _resume(self, inp: RolloutInput, c: RolloutCarry) -> dict:
         """A continued-as-new run: restore the state and carry on loading."""
@@ -194,7 +265,14 @@ class RolloutWorkflow:
                 if not workflow.patched("dwell-between-steps-only"):
                     await workflow.sleep(timedelta(seconds=inp.step_wait_s))   # histories before the patch
                 elif step != inp.traffic_steps[-1] and inp.step_wait_s > 0:
-                    await workflow.sleep(timedelta(seconds=inp.step_wait_s))
+                    if self.controls_act_now:       # the dwell ends early on an abort
+                        try:
+                            await workflow.wait_condition(lambda: bool(self.abort_reason),
+                                                          timeout=timedelta(seconds=inp.step_wait_s))
+                        except asyncio.TimeoutError:
+                            pass
+                    else:
+                        await workflow.sleep(timedelta(seconds=inp.step_wait_s))
         self._set_phase("done", f"{len(ready)} of {len(inp.hosts)} hosts ready on {inp.version}")
         return {"version_id": info.version_id, "ready": sorted(ready), "hosts": dict(self.hosts),
                 "errors": dict(self.errors), "traffic": dict(self.traffic)}

@@ -166,6 +166,13 @@ class LoadInput:
 
 
 @dataclass
+class DiscardInput:
+    """After an abort: take this version off a host (model server and peerd's store)."""
+    version: str
+    version_id: str
+
+
+@dataclass
 class HostBatchInput:
     hosts: list[HostSpec]
     distribute: DistributeInput
@@ -203,7 +210,7 @@ class TrafficInput:
 @dataclass
 class RolloutStatus:
     phase: str
-    hosts: dict[str, str]                 # host -> pending|downloading|verified|loading|ready|failed|unreachable
+    hosts: dict[str, str]   # host -> pending|downloading|paused|verified|loading|ready|failed|unreachable|discarded
     counts: dict[str, int]
     bytes_done: int
     bytes_total: int
