@@ -12,7 +12,7 @@ from peerd.http_input import bearer_headers
 from peerd.manifest_fetch import fetch_from_origin
 from peerd.origin import OriginSpec, S3Origin
 from peerd.signing import load_public_key
-from workflows.types import ManifestCheck, ManifestInfo, TrafficInput
+from workflows.types import ManifestCheck, ManifestInfo, PreflightInput, TrafficInput
 
 
 def _info(m: mf.Manifest) -> ManifestInfo:
@@ -44,6 +44,37 @@ class ControlActivities:
             except mf.ManifestError as e:
                 raise ApplicationError(f"manifest refused: {e}", type="ManifestRefused", non_retryable=True) from None
         return _info(m)
+
+    @activity.defn(name="preflight")
+    async def preflight(self, inp: PreflightInput) -> list[str]:
+        """Problems that would fail a rollout, found before anything is uploaded: a signing key this
+        worker does not trust, a router it cannot reach or that refuses its admin token, a previous
+        version the router does not know."""
+        problems = []
+        try:
+            mf.load_signed(inp.signed_probe.encode(), self.trusted)
+        except mf.ManifestError as e:
+            problems.append(f"the fleet does not trust the signing key ({e}); sign with a key whose public half "
+                            "the control worker has as --trusted-key")
+        if inp.router:
+            url = f"{inp.router}/admin/models/{inp.model}"
+            try:
+                async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10), headers=self.admin) as s:
+                    async with s.get(url) as r:
+                        body = await r.json(content_type=None)
+                if r.status == 401:
+                    problems.append(f"the router at {inp.router} refuses the control worker's admin token")
+                elif r.status == 200 and inp.previous_version and inp.previous_version not in body.get("weights", {}):
+                    problems.append(f"the router does not serve {inp.model} {inp.previous_version!r} (it has "
+                                    f"{sorted(body.get('weights', {}))}): traffic could not return to it")
+                elif r.status == 404 and inp.previous_version:
+                    problems.append(f"the router has no model {inp.model!r}, so no previous version "
+                                    f"{inp.previous_version!r} to return traffic to")
+                elif r.status not in (200, 404):
+                    problems.append(f"the router at {inp.router} answered {r.status} to {url}")
+            except (aiohttp.ClientError, OSError, ValueError) as e:
+                problems.append(f"the control worker cannot reach the router at {inp.router}: {e}")
+        return problems
 
     @activity.defn(name="set_traffic")
     async def set_traffic(self, inp: TrafficInput) -> dict:

@@ -23,8 +23,17 @@ def test_sim_prints_the_brief_comparison(capsys):
 def test_demo_end_to_end():
     import asyncio
 
+    import aiohttp
+
     from weightcast.demo import run_demo
-    res = asyncio.run(run_demo(hosts=3, size=8 << 20, rate=32 << 20, progress=None))
+    seen = {}
+
+    async def hold(res):      # what `make demo` waits in (for Enter): the printed UI link must answer
+        async with aiohttp.ClientSession() as s:
+            async with s.get(res["temporal_ui"]) as r:
+                seen["ui_status"] = r.status
+    res = asyncio.run(run_demo(hosts=3, size=8 << 20, rate=32 << 20, progress=None, hold=hold))
+    assert seen["ui_status"] == 200
     assert res["ok"] and res["hosts_ready"] == ["h0", "h1", "h2"]
     assert res["inference"]["matches_reference_weights"] and res["traffic"] == {res["inference"]["model_version"]: 100}
 

@@ -64,16 +64,28 @@ def test_dev_up_publish_status_down(tmp_path, capsys, dev_stack):
     rc, _, err = run(capsys, *publish[:-2], "--version", "v2", "--hosts", str(hosts), "--router", "")
     assert rc == 2 and "nothing published" in err and "bad host ids" in err
 
-    # a rollout past its failure budget pauses; the operator aborts it; publishing it again is refused (exit 3)
+    # the checkpoint's own label must match; an untrusted key is refused before any upload, and the
+    # version name is not burned by it
+    rc, _, err = run(capsys, *publish[:-2], "--version", "wrongname")
+    assert rc == 2 and "is version 'v1'" in err and "nothing published" in err
+    assert main(["keys", "generate", "--out", str(tmp_path / "stranger")]) == 0
+    ckpt3 = write_checkpoint(tmp_path / "ckpt3", SMALL, seed=6, shard_bytes=64 * 1024, version="v3")
+    v3 = ["publish", str(ckpt3), "--model", "tiny", "--version", "v3", "--dev", str(d), "--chunk-size", "64KiB"]
+    rc, _, err = run(capsys, *v3, "--key", str(tmp_path / "stranger" / "manifest-signing.pem"))
+    assert rc == 2 and "does not trust the signing key" in err and "refused before uploading" in err
+    rc, out, err = run(capsys, *v3, "--wait")
+    assert rc == 0 and out["status"] == "COMPLETED", err
+
+    # a rollout past its failure budget pauses: --wait says why and exits 4; the operator aborts it;
+    # publishing it again is refused (exit 3)
+    ckpt2 = write_checkpoint(tmp_path / "ckpt2", SMALL, seed=7, shard_bytes=64 * 1024, version="v2")
     hosts.write_text(json.dumps(state["hosts"] + [{"id": "ghost", "model_server": "http://127.0.0.1:9"}]))
-    v2 = [*publish, "--version", "v2", "--hosts", str(hosts), "--failure-budget", "0", "--unreachable-after", "2"]
-    rc, out, err = run(capsys, *v2)
-    assert rc == 0 and out["rollout"] == "started", err
-    for _ in range(100):
-        rc, st, _ = run(capsys, "rollout", "status", "rollout-tiny-v2", "--temporal", state["temporal"])
-        if st["paused"]:
-            break
-        time.sleep(0.1)
+    v2 = ["publish", str(ckpt2), "--model", "tiny", "--version", "v2", "--dev", str(d), "--chunk-size", "64KiB",
+          "--hosts", str(hosts), "--failure-budget", "0", "--unreachable-after", "2"]
+    rc, out, err = run(capsys, *v2, "--wait")
+    assert rc == 4 and out["status"] == "PAUSED", err
+    assert "paused: PAUSED: 1 hosts failed, over the 0% budget" in err and "rollout resume rollout-tiny-v2" in err
+    rc, st, _ = run(capsys, "rollout", "status", "rollout-tiny-v2", "--temporal", state["temporal"])
     assert st["paused"] and st["hosts"]["ghost"] == "unreachable"
     rc, _, err = run(capsys, "rollout", "abort", "rollout-tiny-v2", "--reason", "ghost is gone",
                      "--temporal", state["temporal"])

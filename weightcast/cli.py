@@ -231,11 +231,21 @@ def cmd_demo(a) -> int:
           f"+ router on 127.0.0.1; a ~{a.size >> 20} MiB transformer; links limited to {a.rate / 2**20:.0f} MiB/s",
           file=sys.stderr)
     bar = Progress("rollout")
-    res = asyncio.run(run_demo(a.hosts, a.size, a.rate, lambda t, d, n, phase: bar(t, d, n), a.keep_ui))
-    bar.close()
-    print(json.dumps(res, indent=1))
-    print("OK: rolled out through Temporal, verified on every host, loaded, smoke-tested, answering "
-          "through the router" if res["ok"] else "FAILED", file=sys.stderr)
+    # keep the stack up for a person at a terminal (or with --keep); CI and pipes exit on their own
+    keep = a.keep or (sys.stdin.isatty() and not os.environ.get("CI"))
+
+    async def hold(res: dict) -> None:
+        bar.close()
+        print(json.dumps(res, indent=1))
+        print("OK: rolled out through Temporal, verified on every host, loaded, smoke-tested, answering "
+              "through the router" if res["ok"] else "FAILED", file=sys.stderr)
+        if keep:
+            print(f"\nThe stack is still up. Temporal UI: {res['temporal_ui']}\n"
+                  f"  weightcast rollout status {res['workflow_id']} --temporal {res['temporal']}\n"
+                  "Press Enter (or Ctrl-C) to stop it.", file=sys.stderr)
+            await asyncio.to_thread(sys.stdin.readline)
+
+    res = asyncio.run(run_demo(a.hosts, a.size, a.rate, lambda t, d, n, phase: bar(t, d, n), a.keep_ui, hold=hold))
     return 0 if res["ok"] else 1
 
 
@@ -252,15 +262,31 @@ async def _connect(address: str, namespace: str):
                                   "(`weightcast dev up`) or pass --temporal HOST:PORT") from None
 
 
-async def _watch(client, workflow_id: str) -> int:
-    """Live view until the rollout ends: a progress bar of bytes, hosts by state, stuck hosts."""
+WATCH_PAUSED = 4          # `--wait`/`--watch` exit code: the rollout waits for an operator
+
+
+async def _watch(client, workflow_id: str, exit_on_pause: bool = True) -> int:
+    """Live view until the rollout ends (0 completed, 1 failed) or pauses (4, with the reason): a
+    progress bar of bytes, hosts by state, stuck hosts. Rides out Temporal outages (the rollout does):
+    reconnects with back-off and says so."""
     from temporalio.client import WorkflowExecutionStatus
+    from temporalio.service import RPCError
     from weightcast.rollout_status import live_status
     h = client.get_workflow_handle(workflow_id)
     t0 = asyncio.get_running_loop().time()
     bar = Progress(workflow_id)
+    backoff = 1.0
     while True:
-        st = await live_status(client, workflow_id)
+        try:
+            st = await live_status(client, workflow_id)
+            desc = await h.describe()
+        except (RPCError, RuntimeError) as e:
+            print(f"\nTemporal unreachable ({e}); the rollout goes on without it; retrying in {backoff:.0f} s",
+                  file=sys.stderr)
+            await asyncio.sleep(backoff)
+            backoff = min(30.0, backoff * 2)
+            continue
+        backoff = 1.0
         bar.label = f"{workflow_id} {st['phase']}{' PAUSED' if st['paused'] else ''} {st['counts']}"
         total = max(1, st["bytes_total"])
         bar(asyncio.get_running_loop().time() - t0, st["bytes_done"] if st["phase"] == "distribute" else
@@ -271,12 +297,18 @@ async def _watch(client, workflow_id: str) -> int:
                    else f"no chunk verified for {p['idle_s']} s")
             print(f"\nstuck: {host}: {why}, attempt {p['attempt']}"
                   + (f", last error: {p['last_error']}" if p["last_error"] else ""), file=sys.stderr)
-        desc = await h.describe()
         if desc.status != WorkflowExecutionStatus.RUNNING:
             bar.close()
             print(json.dumps({"status": desc.status.name, "phase": st["phase"], "hosts": st["counts"],
-                              "traffic": st["traffic"], "errors": st["errors"]}))
+                              "traffic": st["traffic"], "errors": st["errors"], "detail": st["detail"]}))
             return 0 if desc.status == WorkflowExecutionStatus.COMPLETED else 1
+        if st["paused"] and exit_on_pause:
+            bar.close()
+            print(json.dumps({"status": "PAUSED", "phase": st["phase"], "hosts": st["counts"],
+                              "errors": st["errors"], "detail": st["detail"]}))
+            print(f"paused: {st['detail'] or 'by an operator'}; `weightcast rollout resume {workflow_id}` or "
+                  f"`weightcast rollout abort {workflow_id} --reason ...`", file=sys.stderr)
+            return WATCH_PAUSED
         await asyncio.sleep(1)
 
 
@@ -533,6 +565,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--size", type=parse_size, default=parse_size("48M"))
     d.add_argument("--rate", type=parse_rate, default=parse_rate("16M"))
     d.add_argument("--keep-ui", type=float, default=0.0, help="seconds to keep the stack (and UI) up at the end")
+    d.add_argument("--keep", action="store_true",
+                   help="keep the stack up until Enter/Ctrl-C (the default at a terminal; not under CI=true)")
     d.set_defaults(fn=cmd_demo)
     return ap
 

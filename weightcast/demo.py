@@ -38,7 +38,9 @@ class DemoFailed(RuntimeError):
 
 
 async def run_demo(hosts: int, size: int, rate: float, progress=None, keep_ui_s: float = 0.0, ui: bool = True,
-                   step_wait_s: float = 0.5, deadline_s: float | None = None) -> dict:
+                   step_wait_s: float = 0.5, deadline_s: float | None = None, hold=None) -> dict:
+    """``hold(result)``: awaited with the result before the stack is torn down, so the printed Temporal
+    UI link and the CLI work against the live stack until it returns (the CLI waits for Enter)."""
     work = Path(tempfile.mkdtemp(prefix="wc-demo-"))
     mcfg, seed = ModelConfig.for_size(size), 7
     version = f"v{uuid.uuid4().hex[:6]}"       # a fresh version each run: a second `make demo` works too
@@ -84,13 +86,17 @@ async def run_demo(hosts: int, size: int, rate: float, progress=None, keep_ui_s:
         correct = r.status == 200 and bool(torch.allclose(torch.tensor(answer["logits_head"]), want, atol=1e-4))
         if keep_ui_s:
             await asyncio.sleep(keep_ui_s)
-        return {"workflow_id": handle.id, "temporal_ui": stack.ui_url(handle.id), "rollout_s": round(elapsed, 2),
+        res = {"workflow_id": handle.id, "temporal_ui": stack.ui_url(handle.id), "temporal": stack.temporal_addr,
+               "rollout_s": round(elapsed, 2),
                 "publish_s": round(t_started - t0, 2), "phase_seconds": st.phase_seconds,
                 "swarm_s": round(max(j["finished"] for j in jobs) - min(j["started"] for j in jobs), 2),
                 "bytes": pub["bytes"], "hosts_ready": result["ready"], "traffic": result["traffic"],
                 "inference": {"routed_host": answer.get("routed_host"), "model_version": answer.get("model_version"),
                               "matches_reference_weights": correct},
                 "ok": correct and len(result["ready"]) == hosts}
+        if hold is not None:
+            await hold(res)
+        return res
     finally:
         if stack:
             await stack.stop()

@@ -1,6 +1,9 @@
 """`weightcast publish` (CI/CD, after training): upload a checkpoint to object storage, build and sign
 its manifest, and start its rollout. Safe to retry at every step:
 
+- nothing is uploaded until the pre-checks pass: the checkpoint's own version label matches the
+  version being published, and the control worker (the one that will check the real manifest) trusts
+  the signing key and can reach the router with its admin token (``PreflightWorkflow``);
 - the manifest is built from the local directory and signed;
 - ``<prefix>/.weightcast-manifest.json`` is written last and marks a finished upload. If it already
   describes the same files and chunks, the upload is skipped and that signed manifest (and so its
@@ -13,21 +16,26 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
 from botocore.exceptions import BotoCoreError, ClientError
-from temporalio.client import Client
-from temporalio.exceptions import WorkflowAlreadyStartedError
+from temporalio.client import Client, WorkflowFailureError
+from temporalio.exceptions import TimeoutError as TemporalTimeout, WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
 from peerd import manifest as mf
 from peerd.origin import OriginError, OriginSpec, S3Origin
 from peerd.signing import load_private_key
+from serving.checkpoint import SMOKE
 from weightcast.rollouts import check_input, rollout_id, start_rollout
-from workflows.types import HostSpec, ManifestRef, RolloutInput
+from workflows.preflight import PreflightWorkflow
+from workflows.types import CONTROL_QUEUE, HostSpec, ManifestRef, PreflightInput, RolloutInput
 
 MARKER = ".weightcast-manifest.json"
+PREFLIGHT_TIMEOUT = timedelta(seconds=60)
 
 
 class PublishError(RuntimeError):
@@ -88,13 +96,49 @@ async def _upload_to_bucket(req: PublishRequest, m: mf.Manifest, signed: bytes, 
     return Published(m, signed.decode(), uploaded)
 
 
+def check_label(req: PublishRequest) -> None:
+    """The checkpoint says which version it is (its smoke material, checked again at load): publishing
+    it under another name would ship it everywhere and then fail every load as wrong_version."""
+    smoke = req.source / SMOKE
+    if not smoke.is_file():
+        raise PublishError(f"{req.source} has no {SMOKE}: the model server loads only checkpoints with their "
+                           "smoke material (serving.checkpoint.write_checkpoint writes it); nothing published")
+    try:
+        label = json.loads(smoke.read_text()).get("version", "")
+    except (OSError, ValueError, AttributeError) as e:
+        raise PublishError(f"{smoke} is unreadable ({e}); nothing published") from None
+    if label and label != req.version:
+        raise PublishError(f"the checkpoint in {req.source} is version {label!r} (its {SMOKE}), not {req.version!r}: "
+                           f"publish it as --version {label} or re-export it; nothing published")
+
+
+async def preflight(client: Client, req: PublishRequest, router: str = "", previous_version: str = "") -> None:
+    """Ask the control worker before uploading: does it trust this key, can it drive the router?"""
+    key = load_private_key(req.key)
+    probe = mf.build_from_pieces(req.model, req.version, 1024, [("preflight-probe", [b"weightcast preflight"])])
+    inp = PreflightInput(mf.signed_bytes(probe, key).decode(), req.model, router, previous_version)
+    try:
+        problems = await client.execute_workflow(
+            PreflightWorkflow.run, inp, id=f"preflight-{req.model}-{req.version}-{uuid.uuid4().hex[:8]}",
+            task_queue=CONTROL_QUEUE, execution_timeout=PREFLIGHT_TIMEOUT, result_type=list[str])
+    except WorkflowFailureError as e:
+        if isinstance(e.cause, TemporalTimeout):
+            raise PublishError(f"no control worker answered on {CONTROL_QUEUE} within "
+                               f"{PREFLIGHT_TIMEOUT.total_seconds():.0f} s: is it running? nothing published") from None
+        raise PublishError(f"the pre-checks failed: {e.cause or e}; nothing published") from None
+    if problems:
+        raise PublishError("refused before uploading: " + "; ".join(problems))
+
+
 async def publish_and_start(client: Client, req: PublishRequest, hosts: list[HostSpec], **rollout: object) -> dict:
-    """Upload, sign, start (or attach to) the rollout. ``rollout`` takes RolloutInput's optional fields
-    (router, previous_version, max_concurrent_loads, failure_budget, ...)."""
+    """Check, upload, sign, start (or attach to) the rollout. ``rollout`` takes RolloutInput's optional
+    fields (router, previous_version, max_concurrent_loads, failure_budget, ...)."""
     origin = {"endpoint": req.origin.endpoint, "bucket": req.origin.bucket, "prefix": req.origin.prefix}
     # refuse bad input before uploading anything (the manifest is not signed yet: a placeholder stands in)
     check_input(RolloutInput(req.model, req.version, "", origin, hosts, manifest=ManifestRef("0" * 64, MARKER),
                              **rollout), "nothing published")
+    check_label(req)
+    await preflight(client, req, str(rollout.get("router") or ""), str(rollout.get("previous_version") or ""))
     pub = await upload(req)
     # by reference: the workflow and every host activity carry (digest, key), never the document
     inp = RolloutInput(req.model, req.version, "", origin, hosts, manifest=ManifestRef(pub.manifest.digest, MARKER),

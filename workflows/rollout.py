@@ -23,6 +23,22 @@ with workflow.unsafe.imports_passed_through():
 
 PHASE = SearchAttributeKey.for_keyword("RolloutPhase")
 MAX_PENDING_LOADS = 1000      # Temporal allows 2,000 pending activities per workflow
+MAX_SEEDERS = 64              # hosts that read stripes of the origin; the rest fetch from peers
+
+
+def seeders_across_racks(hosts: list, n: int) -> list[str]:
+    """Up to ``n`` seeders taken round-robin over the racks (in order of first appearance), so the
+    origin's bytes enter every rack and a rack's loss does not take all the seeders with it. Without
+    racks: the first ``n`` hosts, as before."""
+    racks: dict[str, list[str]] = {}
+    for h in hosts:
+        racks.setdefault(h.rack, []).append(h.id)
+    out: list[str] = []
+    depth = 0
+    while len(out) < n and any(depth < len(ids) for ids in racks.values()):
+        out += [ids[depth] for ids in racks.values() if depth < len(ids)][:n - len(out)]
+        depth += 1
+    return out
 
 
 @workflow.defn
@@ -44,6 +60,7 @@ class RolloutWorkflow:
         self.runs = 1
         self.acked_failures = 0       # failures the operator has seen and resumed past
         self.controls_act_now = False  # pause/abort stop distribution and dwell at once (patched)
+        self.detail = ""
 
     # ---------------------------------------------------------------- controls
     @workflow.query
@@ -52,9 +69,11 @@ class RolloutWorkflow:
         for s in self.hosts.values():
             counts[s] = counts.get(s, 0) + 1
         done = sum(1 for s in self.hosts.values() if s in ("verified", "loading", "ready"))
-        return RolloutStatus(self.phase, dict(self.hosts), counts, done * self.bytes_total,
-                             len(self.hosts) * self.bytes_total, self.paused, dict(self.traffic), dict(self.errors),
-                             self.version_id, list(self.batches), dict(self.phase_seconds), self.runs)
+        return RolloutStatus(phase=self.phase, hosts=dict(self.hosts), counts=counts,
+                             bytes_done=done * self.bytes_total, bytes_total=len(self.hosts) * self.bytes_total,
+                             paused=self.paused, traffic=dict(self.traffic), errors=dict(self.errors),
+                             version_id=self.version_id, batches=list(self.batches),
+                             phase_seconds=dict(self.phase_seconds), runs=self.runs, detail=self.detail)
 
     @workflow.signal
     def pause(self) -> None:
@@ -93,7 +112,7 @@ class RolloutWorkflow:
             self.phase_seconds[self.phase] = round(self.phase_seconds.get(self.phase, 0.0) + now - self._phase_t0, 3)
         if phase != self.phase:
             self._phase_t0 = now
-        self.phase = phase
+        self.phase, self.detail = phase, detail
         workflow.upsert_search_attributes([PHASE.value_set(phase)])
         workflow.set_current_details(f"**{phase}** {detail}".strip())
 
@@ -181,7 +200,7 @@ class RolloutWorkflow:
         self._set_phase("distribute", f"{len(inp.hosts)} hosts, {info.bytes_total} bytes")
         for h in self.hosts:
             self.hosts[h] = "downloading"
-        seeders = [h.id for h in inp.hosts][:64]
+        seeders = seeders_across_racks(inp.hosts, MAX_SEEDERS)
         dist = DistributeInput(inp.signed_manifest, inp.origin, seeders, inp.manifest)
         batches = [inp.hosts[i:i + inp.batch_size] for i in range(0, len(inp.hosts), inp.batch_size)]
         if self.controls_act_now:

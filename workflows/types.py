@@ -166,6 +166,15 @@ class LoadInput:
 
 
 @dataclass
+class PreflightInput:
+    """What `weightcast publish` asks the control plane before it uploads anything."""
+    signed_probe: str               # a tiny manifest signed with the publishing key
+    model: str
+    router: str = ""
+    previous_version: str = ""
+
+
+@dataclass
 class DiscardInput:
     """After an abort: take this version off a host (model server and peerd's store)."""
     version: str
@@ -221,3 +230,4 @@ class RolloutStatus:
     batches: list[str] = field(default_factory=list)      # child workflow ids (live progress: describe them)
     phase_seconds: dict[str, float] = field(default_factory=dict)
     runs: int = 1                                          # 1 + continue-as-new count
+    detail: str = ""                                       # what the phase is doing or waiting for, and why
