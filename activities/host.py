@@ -101,13 +101,50 @@ class HostActivities:
             async with s.post(f"{self.model_server}/v1/load", headers=self.admin,
                               json={"model_version": inp.version, "version_id": inp.version_id}) as r:
                 body = await r.json(content_type=None)
+            pruned = await self._prune_or_log(s, inp) if r.status == 200 else []
         if r.status != 200:
             # fail closed: a version that does not verify, fit or pass its smoke test is not retried blindly
             raise ApplicationError(f"{self.host_id}: load of {inp.version} failed: {body.get('code')}: "
                                    f"{body.get('reason') or body.get('error')}", type="LoadFailed",
                                    non_retryable=r.status in (400, 401, 403, 404) or body.get("code") in (
                                        "altered", "unverified", "wrong_version", "smoke_failed", "bad_checkpoint"))
-        return {**body, "retired": retired}
+        return {**body, "retired": retired, "pruned": pruned}
+
+    async def _prune_or_log(self, s: aiohttp.ClientSession, inp: LoadInput) -> list[str]:
+        """The load has succeeded: housekeeping that cannot run now (peerd down) must not undo it; the
+        next rollout's load prunes again."""
+        try:
+            return await self._prune(s, inp)
+        except (PeerdError, aiohttp.ClientError, OSError) as e:
+            activity.logger.warning("could not prune %s's store on %s: %s", inp.model, self.host_id, e)
+            return []
+
+    async def _prune(self, s: aiohttp.ClientSession, inp: LoadInput) -> list[str]:
+        """Storage retention: remove from peerd's store every version of this model that the rollout
+        does not keep (the new one, the previous one, pinned ones), that the model server does not hold
+        and that is not downloading. Without this each rollout adds a checkpoint to every disk."""
+        if not inp.keep:
+            return []
+        async with s.get(f"{self.model_server}/v1/versions") as r:
+            loaded = set((await r.json(content_type=None)).get("versions", {}))
+        removed = []
+        async with PeerdClient(self.peerd_addr, self.token) as c:
+            st = await c.status()
+            fetching = {j["version_id"] for j in st["jobs"] if j["state"] == "fetching"}
+            for v in st.get("stored", []):
+                if (v["model"] != inp.model or v["version"] in inp.keep or v["version"] in inp.pinned
+                        or v["version"] in loaded
+                        or v["version_id"] in fetching):
+                    continue
+                try:
+                    await c.remove(v["version_id"])
+                    removed.append(v["version"])
+                except PeerdError as e:
+                    if e.status != 404:                 # 404: removed meanwhile
+                        raise
+        if removed:
+            activity.logger.info("removed %s of %s from %s's store", removed, inp.model, self.host_id)
+        return removed
 
     async def _retire(self, s: aiohttp.ClientSession, inp: LoadInput) -> list[str]:
         """Unload versions older than the ones this rollout keeps (the new one and the one it replaces),

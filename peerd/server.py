@@ -84,6 +84,9 @@ def make_app(daemon, *middlewares) -> web.Application:
             "host": d.config.host_id, "addr": d.addr, "rack": d.config.rack,
             "jobs": [j.status() for j in d.jobs.values()],
             "stored_versions": sorted(d.store.versions),
+            "stored": [{"version_id": vid, "model": vs.manifest.model, "version": vs.manifest.version,
+                        "bytes": vs.manifest.total_size, "complete": vs.complete}
+                       for vid, vs in sorted(d.store.versions.items())],
             "members": [{"id": m.id, "addr": m.addr, "rack": m.rack, "dead": m.dead}
                         for m in d.membership.members.values()],
             "quarantined": d.quarantined, "uploads_active": d.uploads_active})

@@ -197,6 +197,7 @@ def cmd_publish(a) -> int:
                          access_key=dev.get("s3", {}).get("access_key"), secret_key=dev.get("s3", {}).get("secret_key"))
     rollout = {"router": a.router if a.router is not None else dev.get("router", ""),
                "previous_version": a.previous_version, "max_concurrent_loads": a.max_concurrent_loads,
+               "pinned_versions": a.pin,
                "failure_budget": a.failure_budget, "unreachable_after_s": a.unreachable_after}
 
     async def go():
@@ -505,6 +506,8 @@ def build_parser() -> argparse.ArgumentParser:
     pb.add_argument("--hosts", type=Path, help='fleet inventory JSON: [{"id", "model_server", "rack"}, ...]')
     pb.add_argument("--router", default=None, help="router address (empty: no traffic phase)")
     pb.add_argument("--previous-version", default="", help="where abort sends traffic back")
+    pb.add_argument("--pin", action="append", default=[], metavar="VERSION",
+                    help="keep this version in every host's store (besides the new and the previous one)")
     pb.add_argument("--max-concurrent-loads", type=int, default=2)
     pb.add_argument("--failure-budget", type=float, default=0.05)
     pb.add_argument("--unreachable-after", type=float, default=120.0,

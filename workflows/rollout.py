@@ -337,10 +337,12 @@ class RolloutWorkflow:
         await self._load(host, queue, inp, info)
 
     async def _load(self, host: str, queue: str, inp: RolloutInput, info: ManifestInfo) -> None:
-        keep = [v for v in (inp.version, inp.previous_version) if v]   # older versions make room
+        # older versions make room (unloaded, then removed from the store); pinned ones stay on disk
+        keep = [v for v in (inp.version, inp.previous_version) if v]
         try:
             await workflow.execute_activity(
-                "load_version", LoadInput(inp.version, info.version_id, keep, inp.router, inp.model), task_queue=queue,
+                "load_version", LoadInput(inp.version, info.version_id, keep, inp.router, inp.model,
+                                          list(inp.pinned_versions or [])), task_queue=queue,
                 schedule_to_start_timeout=timedelta(seconds=inp.unreachable_after_s),
                 start_to_close_timeout=timedelta(minutes=30),
                 retry_policy=RetryPolicy(maximum_attempts=3), summary=f"load {inp.version} on {host}")

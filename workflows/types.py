@@ -68,10 +68,14 @@ class RolloutInput:
     max_history_events: int = 20_000      # continue-as-new past this (Temporal's hard limit is ~50k)
     carry: RolloutCarry | None = None     # set by continue-as-new only, never by callers
     manifest: ManifestRef | None = None   # the manifest by reference (what `weightcast publish` sends)
+    pinned_versions: list[str] = field(default_factory=list)   # kept on disk besides this and the previous one
 
     def problems(self) -> list[str]:
         """Everything wrong with this input, in words an operator can act on (empty when valid)."""
         out = []
+        if not isinstance(self.pinned_versions, list) or not all(isinstance(v, str) and v
+                                                                 for v in self.pinned_versions):
+            out.append(f"pinned_versions is a list of version names, got {self.pinned_versions!r}")
         for what, v in (("model", self.model), ("version", self.version)):
             if not isinstance(v, str) or not NAME.match(v):
                 out.append(f"{what} {v!r} must be 1-128 characters of letters, digits, '.', '_' or '-'")
@@ -163,6 +167,7 @@ class LoadInput:
     keep: list[str] = field(default_factory=list)   # versions to keep loaded; others are retired first
     router: str = ""                                 # asked for an unload permit before a retirement
     model: str = ""
+    pinned: list[str] = field(default_factory=list)  # not loaded necessarily, but kept in the store
 
 
 @dataclass
