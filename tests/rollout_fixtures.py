@@ -16,12 +16,14 @@ from workflows.types import RolloutInput
 class Stack:
     """The embedded stack plus a published, signed checkpoint, for one test."""
 
-    async def start(self, tmp: Path, seaweed, keys, ids: list[str], rate: float | None = None):
+    async def start(self, tmp: Path, seaweed, keys, ids: list[str], rate: float | None = None,
+                    supervise: bool = False):
         src = write_checkpoint(tmp / "ckpt", SMALL, seed=5, shard_bytes=64 * 1024, version="v1")
         self.m = mf.build_from_directory(src, "tiny", "v1", chunk_size=64 * 1024)
         self.signed = json.dumps(mf.sign_manifest(self.m, keys["private"]))
         self.origin = await publish(seaweed, src, f"r/{uuid.uuid4().hex[:8]}")
-        self.stack = await EmbeddedStack(tmp / "stack", keys["pub_path"], ids, s3=seaweed, rate=rate).start()
+        self.stack = await EmbeddedStack(tmp / "stack", keys["pub_path"], ids, s3=seaweed, rate=rate,
+                                         supervise=supervise).start()
         self.client, self.servers = self.stack.client, self.stack.model_servers
         self.router_addr, self.hosts = self.stack.router_addr, self.stack.hosts
         return self

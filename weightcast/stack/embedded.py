@@ -21,6 +21,7 @@ from weightcast.stack.module_proc import ModuleProc
 from weightcast.stack.peerd_proc import PeerdProc, fleet_args
 from weightcast.stack.ports import free_ports
 from weightcast.stack.seaweed import SeaweedS3
+from weightcast.stack.supervisor import Supervisor
 from weightcast.stack.temporal import SEARCH_ATTRIBUTES, temporal_binary
 from workers import control_worker
 from workflows.types import HostSpec
@@ -48,9 +49,11 @@ class EmbeddedStack:
     temporal_port: int = 0                   # 0: a free port
     ui_port: int = 0
     router_port: int = 0
+    supervise: bool = False                  # restart dead parts with back-off (dev up); fault tests keep it off
 
     async def start(self) -> "EmbeddedStack":
         self.root.mkdir(parents=True, exist_ok=True)
+        self.supervisor = Supervisor()
         self._own_s3 = self.s3 is None
         if self._own_s3:
             self.s3 = await asyncio.to_thread(SeaweedS3(self.root / "s3").start)
@@ -92,7 +95,34 @@ class EmbeddedStack:
                                                    (env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"]),
                                                    admin_token=self.admin_token)
         self._control_task = asyncio.create_task(self.control_worker.run())
+        if self.supervise:
+            self._supervise()
         return self
+
+    def _supervise(self) -> None:
+        for i in self.host_ids:
+            for name, proc in ((f"peerd {i}", self.peerd[i]), (f"host worker {i}", self.host_workers[i])):
+                self.supervisor.add(name, _running(proc), _restarted(proc))
+        self.supervisor.add("temporal", self._temporal_alive, self._restart_temporal)
+        if self._own_s3:
+            self.supervisor.add("seaweedfs", _running(self.s3), _restarted(self.s3))
+        self.supervisor.start()
+
+    async def _temporal_alive(self) -> bool:
+        try:
+            _, w = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", self.temporal_port), 2)
+            w.close()
+            return True
+        except (OSError, asyncio.TimeoutError):
+            return False
+
+    async def _restart_temporal(self) -> None:
+        try:
+            await self.stop_temporal()
+        except Exception as e:              # the old server is gone already; its handle may not close cleanly
+            log.info("old Temporal server handle: %s", e)
+            self.env = None
+        await self.start_temporal()
 
     @property
     def temporal_addr(self) -> str:
@@ -124,6 +154,7 @@ class EmbeddedStack:
 
     async def stop(self) -> None:
         """Tear everything down; each step is bounded so a wedged part cannot hang the caller."""
+        await self.supervisor.stop()                # nothing is restarted while it goes down
         for p in self.host_workers.values():
             await asyncio.to_thread(p.stop)
         await _bounded(self.control_worker.shutdown(), "control worker shutdown")
@@ -134,6 +165,18 @@ class EmbeddedStack:
         await _bounded(self.stop_temporal(), "Temporal dev server shutdown")
         if self._own_s3:
             await asyncio.to_thread(self.s3.stop)
+
+
+def _running(proc):
+    async def alive() -> bool:
+        return proc.proc is not None and proc.proc.poll() is None
+    return alive
+
+
+def _restarted(proc):
+    async def restart() -> None:
+        await asyncio.to_thread(proc.start)
+    return restart
 
 
 async def _bounded(aw, what: str, timeout: float = 20.0) -> None:
