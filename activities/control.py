@@ -12,7 +12,8 @@ from peerd.http_input import bearer_headers
 from peerd.manifest_fetch import fetch_from_origin
 from peerd.origin import OriginSpec, S3Origin
 from peerd.signing import load_public_key
-from workflows.types import ManifestCheck, ManifestInfo, PreflightInput, TrafficInput
+from activities.canary import judge
+from workflows.types import AnalysisInput, AnalysisResult, ManifestCheck, ManifestInfo, PreflightInput, TrafficInput
 
 
 def _info(m: mf.Manifest) -> ManifestInfo:
@@ -75,6 +76,19 @@ class ControlActivities:
             except (aiohttp.ClientError, OSError, ValueError) as e:
                 problems.append(f"the control worker cannot reach the router at {inp.router}: {e}")
         return problems
+
+    @activity.defn(name="analyze_traffic")
+    async def analyze_traffic(self, inp: AnalysisInput) -> AnalysisResult:
+        """The router's per-version numbers over the last window, judged (activities/canary.py)."""
+        url = f"{inp.router}/admin/models/{inp.model}/stats"
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10), headers=self.admin) as s:
+            async with s.get(url, params={"since_s": str(min(600.0, inp.config.interval_s))}) as r:
+                if r.status == 401:
+                    raise ApplicationError("the router refuses the admin token", type="Unauthorized",
+                                           non_retryable=True)
+                r.raise_for_status()
+                versions = (await r.json(content_type=None))["versions"]
+        return judge(versions.get(inp.version), versions.get(inp.baseline) if inp.baseline else None, inp.config)
 
     @activity.defn(name="set_traffic")
     async def set_traffic(self, inp: TrafficInput) -> dict:

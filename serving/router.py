@@ -14,13 +14,15 @@ import logging
 import os
 import re
 import sys
+import time
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from peerd.metrics import metrics_handler
 from serving.capacity import CapacityRules
+from serving.version_stats import VersionStats
 from peerd.conn_guard import run_guarded
 from peerd.http_input import bearer_ok
 from serving.http_json import MAX_BODY, bad_request, json_object
@@ -46,6 +48,9 @@ class Router:
         r = self.registry = CollectorRegistry()
         self.m_requests = Counter("router_requests_total", "Routed requests", ["model", "version", "outcome"], registry=r)
         self.m_evictions = Counter("router_evictions_total", "Hosts dropped from a pool on a failed forward", registry=r)
+        self.m_latency = Histogram("router_request_seconds", "Latency of each forwarded attempt, by version",
+                                   ["model", "version", "ok"], registry=r)
+        self.stats = VersionStats()             # the same outcomes, windowed, for canary analysis
 
     async def start(self) -> None:
         self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10, sock_connect=1))
@@ -78,6 +83,11 @@ class Router:
             await self.poll_once()
             await asyncio.sleep(self.poll_interval)
 
+    def _observe(self, model: str, version: str, ok: bool, t0: float) -> None:
+        seconds = time.monotonic() - t0
+        self.m_latency.labels(model, version, "true" if ok else "false").observe(seconds)
+        self.stats.record(model, version, ok, seconds)
+
     async def forward(self, model: str, version: str | None, payload: dict) -> tuple[int, dict]:
         tried: set[str] = set()
         last = "no attempt"
@@ -90,11 +100,13 @@ class Router:
                 self.m_requests.labels(model, version or "", "refused").inc()
                 return e.status, {"error": str(e)}
             tried.add(host)
+            t0 = time.monotonic()
             try:
                 async with self.http.post(f"{addr}/v1/infer", json={**payload, "model_version": v}) as r:
                     body = await r.json(content_type=None)
                     if r.status == 200 and r.headers.get("X-Model-Version") == v and body.get("model_version") == v:
                         self.m_requests.labels(model, v, "ok").inc()
+                        self._observe(model, v, True, t0)
                         return 200, {**body, "routed_host": host}
                     if r.status in (400, 413, 422):   # the client's request was bad: the host is fine
                         self.m_requests.labels(model, v, "bad_request").inc()
@@ -102,6 +114,7 @@ class Router:
                     last = f"{host} answered {r.status}"
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
                 last = f"{host}: {type(e).__name__}"
+            self._observe(model, v, False, t0)     # a failed attempt counts against the version it tried
             self.table.set_ready(model, host, v, False)   # out of the pool at once; the poller may readmit it
             self.m_evictions.inc()
         self.m_requests.labels(model, version or "", "failed").inc()
@@ -181,6 +194,17 @@ def make_app(router: Router) -> web.Application:
             return err(e)
         return web.json_response({"weights": t.models[model].weights})
 
+    async def stats(request):
+        """Per-version requests, error rate and latency over the last ``since_s`` seconds (max 600)."""
+        raw = request.query.get("since_s", "60")
+        try:
+            since = float(raw)
+        except ValueError:
+            since = float("nan")
+        if not 0 < since <= 600:
+            raise bad_request(f"since_s must be a number of seconds in (0, 600], got {raw[:32]!r}")
+        return web.json_response({"since_s": since, "versions": router.stats.summary(request.match_info["model"], since)})
+
     async def show(request):
         try:
             r = t.model(request.match_info["model"])
@@ -232,6 +256,7 @@ def make_app(router: Router) -> web.Application:
     app.router.add_post("/admin/models/{model}/versions", add_version)
     app.router.add_put("/admin/models/{model}/weights", put_weights)
     app.router.add_get("/admin/models/{model}", show)
+    app.router.add_get("/admin/models/{model}/stats", stats)
     app.router.add_post("/admin/models/{model}/permits/load", load_permit)
     app.router.add_delete("/admin/models/{model}/permits/load/{host}", release_load)
     app.router.add_post("/admin/models/{model}/permits/unload", unload_permit)

@@ -51,6 +51,9 @@ class ModelServer:
     store_root: Path | None = None     # peerd's store: the only place versions are loaded from
     admin_token: str = ""              # required for load/unload; empty disables auth (in-process tests only)
     versions: dict[str, VersionState] = field(default_factory=dict)
+    # fault injection for drills and tests (a version that passes its smoke test but serves badly):
+    # {version: {"delay_s": extra latency per request, "error_every": every Nth request answers 500}}
+    faults: dict[str, dict] = field(default_factory=dict)
 
     def __post_init__(self):
         r = self.registry = CollectorRegistry()
@@ -58,6 +61,7 @@ class ModelServer:
         self.m_ready = Gauge("model_server_version_ready", "1 when a version is ready here", ["version"], registry=r)
         self.m_loads = Counter("model_server_loads_total", "Load attempts", ["outcome"], registry=r)
         self._lock = asyncio.Lock()
+        self.fault_count = 0
 
     def in_use(self) -> int:
         return sum(v.nbytes for v in self.versions.values() if v.state == "ready")
@@ -180,6 +184,13 @@ def make_app(ms: ModelServer) -> web.Application:
             ms.m_requests.labels(v, "not_ready").inc()
             known = vs is not None
             return web.json_response({"error": f"version {v} is not ready on {ms.host_id}"}, status=409 if known else 404)
+        fault = ms.faults.get(v)
+        if fault:
+            ms.fault_count += 1
+            await asyncio.sleep(fault.get("delay_s", 0.0))
+            if fault.get("error_every") and ms.fault_count % fault["error_every"] == 0:
+                ms.m_requests.labels(v, "injected_error").inc()
+                return web.json_response({"error": "injected fault"}, status=500)
         out = await asyncio.to_thread(ms.engine.infer, v, ids)
         ms.m_requests.labels(v, "ok").inc()
         return web.json_response({"model_version": v, "host": ms.host_id, **out}, headers={"X-Model-Version": v})

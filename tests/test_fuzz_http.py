@@ -69,13 +69,15 @@ class AppThread:
 
 PEERD_ROUTES = [("POST", "/v1/jobs"), ("POST", "/v1/gossip"), ("GET", "/v1/jobs/{}"), ("GET", "/v1/status"),
                 ("GET", "/v1/versions/{}/bitmap"), ("GET", "/v1/versions/{}/manifest"),
-                ("GET", "/v1/versions/{}/chunks/{}"), ("DELETE", "/v1/versions/{}"), ("GET", "/healthz")]
+                ("GET", "/v1/versions/{}/chunks/{}"), ("DELETE", "/v1/versions/{}"), ("GET", "/healthz"),
+                ("DELETE", "/v1/jobs/{}"), ("DELETE", "/v1/jobs/{}?reason={}")]
 SERVING_ROUTES = [("POST", "/v1/load"), ("POST", "/v1/unload"), ("POST", "/v1/infer"), ("GET", "/v1/versions"),
                   ("GET", "/health/ready?model_version={}"),
                   ("POST", "/v1/models/{}/infer"), ("PUT", "/admin/models/{}/hosts"), ("PUT", "/admin/models/{}/weights"),
                   ("POST", "/admin/models/{}/versions"), ("POST", "/admin/models/{}/permits/load"),
                   ("DELETE", "/admin/models/{}/permits/load/{}"), ("POST", "/admin/models/{}/permits/unload"),
-                  ("GET", "/admin/models/{}"), ("DELETE", "/admin/models/{}/hosts/{}")]
+                  ("GET", "/admin/models/{}"), ("DELETE", "/admin/models/{}/hosts/{}"),
+                  ("GET", "/admin/models/{}/stats?since_s={}")]
 
 
 def request_strategy(routes):

@@ -350,6 +350,10 @@ def cmd_rollout(a) -> int:
             h = await start_rollout(client, inp)
             print(json.dumps({"workflow_id": h.id, "run_id": h.result_run_id}))
             return 0
+        if a.sub == "rollback":
+            from weightcast.rollouts import rollback
+            print(json.dumps(await rollback(client, a.model, a.to, a.reason)))
+            return 0
         h = client.get_workflow_handle(a.id)
         if a.sub == "status":
             if a.watch:
@@ -366,13 +370,16 @@ def cmd_rollout(a) -> int:
             print(await h.execute_update(RolloutWorkflow.set_max_concurrent_loads, a.n))
         return 0
 
-    from temporalio.client import WorkflowUpdateFailedError
+    from temporalio.client import WorkflowFailureError, WorkflowUpdateFailedError
     from temporalio.service import RPCError, RPCStatusCode
     try:
         return asyncio.run(go())
     except WorkflowUpdateFailedError as e:
         print(f"error: refused: {e.cause}", file=sys.stderr)
         return 2
+    except WorkflowFailureError as e:          # the rollback workflow ran and failed: say why
+        print(f"error: {e.cause.cause if e.cause and e.cause.cause else e.cause}", file=sys.stderr)
+        return 1
     except RPCError as e:
         if e.status == RPCStatusCode.NOT_FOUND:
             print(f"error: rollout {getattr(a, 'id', '')!r} on {a.temporal} (namespace {a.namespace}): {e.message}",
@@ -545,6 +552,7 @@ def build_parser() -> argparse.ArgumentParser:
                       ("status", "show a rollout's status"), ("pause", "pause between steps"),
                       ("resume", "resume a paused rollout"), ("abort", "abort; traffic goes back"),
                       ("set-concurrency", "change max_concurrent_loads"),
+                      ("rollback", "move a model's traffic back to the version its last rollout replaced"),
                       ("replay", "replay a saved history against this code (on-call)")]:
         p = ro.add_parser(name, help=hlp)
         p.add_argument("--temporal", default="127.0.0.1:7233")
@@ -554,6 +562,10 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("input", type=Path)
         elif name == "replay":
             p.add_argument("history", type=Path)
+        elif name == "rollback":
+            p.add_argument("model")
+            p.add_argument("--to", default="", help="the version to return to (default: the one replaced last)")
+            p.add_argument("--reason", default="", help="recorded in the rollback workflow")
         else:
             p.add_argument("id", help="workflow id, rollout-<model>-<version>")
         if name == "status":

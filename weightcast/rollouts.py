@@ -1,9 +1,12 @@
 """Starting and finding rollouts: one workflow per (model, version), never two by accident."""
 from __future__ import annotations
 
+import uuid
+
 from temporalio.client import Client, WorkflowHandle
 from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 
+from workflows.rollback import RollbackInput, RollbackWorkflow
 from workflows.rollout import RolloutWorkflow
 from workflows.types import CONTROL_QUEUE, RolloutInput
 
@@ -32,3 +35,38 @@ async def start_rollout(client: Client, inp: RolloutInput, workflow_id: str | No
         RolloutWorkflow.run, inp, id=workflow_id or rollout_id(inp.model, inp.version), task_queue=CONTROL_QUEUE,
         id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
         id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE)
+
+
+async def latest_completed_rollout(client: Client, model: str) -> RolloutInput | None:
+    """The input of the most recently closed, completed rollout of ``model`` (visibility, then the
+    first event of its history)."""
+    latest = None
+    async for w in client.list_workflows("WorkflowType = 'RolloutWorkflow' AND ExecutionStatus = 'Completed'"):
+        if w.id.startswith(f"rollout-{model}-") and (latest is None or w.close_time > latest.close_time):
+            latest = w
+    if latest is None:
+        return None
+    hist = await client.get_workflow_handle(latest.id, run_id=latest.run_id).fetch_history()
+    started = hist.events[0].workflow_execution_started_event_attributes
+    [inp] = await client.data_converter.decode(started.input.payloads, [RolloutInput])
+    return inp
+
+
+async def rollback(client: Client, model: str, to_version: str = "", reason: str = "") -> dict:
+    """Move all of ``model``'s traffic back to ``to_version`` (default: the version the last completed
+    rollout replaced) through RollbackWorkflow. Raises InvalidRolloutInput when there is nothing to
+    roll back to."""
+    last = await latest_completed_rollout(client, model)
+    if last is None or not last.router:
+        raise InvalidRolloutInput(f"no completed rollout of {model!r} with a router: nothing to roll back")
+    to = to_version or last.previous_version
+    if not to:
+        raise InvalidRolloutInput(f"the last rollout of {model!r} ({last.version}) replaced no previous version; "
+                                  "say which version to return to with --to")
+    if to == last.version:
+        raise InvalidRolloutInput(f"{to} is the version the last rollout installed; roll back to an earlier one")
+    wid = f"rollback-{model}-{to}-{uuid.uuid4().hex[:6]}"
+    result = await client.execute_workflow(
+        RollbackWorkflow.run, RollbackInput(model, last.router, to, last.version, reason), id=wid,
+        task_queue=CONTROL_QUEUE)
+    return {"workflow_id": wid, **result}

@@ -13,10 +13,11 @@ from temporalio.worker import Worker
 from activities.control import ControlActivities
 from workflows.host_batch import HostBatchWorkflow
 from workflows.preflight import PreflightWorkflow
+from workflows.rollback import RollbackWorkflow
 from workflows.rollout import RolloutWorkflow
 from workflows.types import CONTROL_QUEUE
 
-WORKFLOWS = [RolloutWorkflow, HostBatchWorkflow, PreflightWorkflow]
+WORKFLOWS = [RolloutWorkflow, HostBatchWorkflow, PreflightWorkflow, RollbackWorkflow]
 
 
 def build(client: Client, trusted_keys: list[Path], s3_credentials: tuple[str, str] | None = None,
@@ -25,7 +26,8 @@ def build(client: Client, trusted_keys: list[Path], s3_credentials: tuple[str, s
     ``admin_token`` for the router's admin API."""
     acts = ControlActivities(trusted_keys, s3_credentials, admin_token)
     return Worker(client, task_queue=CONTROL_QUEUE, workflows=WORKFLOWS,
-                  activities=[acts.check_manifest, acts.check_manifest_ref, acts.set_traffic, acts.preflight])
+                  activities=[acts.check_manifest, acts.check_manifest_ref, acts.set_traffic, acts.preflight,
+                              acts.analyze_traffic])
 
 
 async def run(address: str, namespace: str, trusted_keys: list[Path], admin_token: str) -> None:

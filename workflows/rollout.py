@@ -18,7 +18,7 @@ from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflow
 
 with workflow.unsafe.imports_passed_through():
     from workflows.host_batch import HostBatchWorkflow
-    from workflows.types import (CONTROL_QUEUE, DiscardInput, DistributeInput, HostBatchInput, HostOutcome, LoadInput,
+    from workflows.types import (CONTROL_QUEUE, AnalysisInput, AnalysisResult, DiscardInput, DistributeInput, HostBatchInput, HostOutcome, LoadInput,
                                  ManifestCheck, ManifestInfo, RolloutCarry, RolloutInput, RolloutStatus, TrafficInput)
 
 PHASE = SearchAttributeKey.for_keyword("RolloutPhase")
@@ -61,6 +61,7 @@ class RolloutWorkflow:
         self.acked_failures = 0       # failures the operator has seen and resumed past
         self.controls_act_now = False  # pause/abort stop distribution and dwell at once (patched)
         self.detail = ""
+        self.analyses: list[dict] = []     # the last canary judgments (status)
 
     # ---------------------------------------------------------------- controls
     @workflow.query
@@ -73,7 +74,8 @@ class RolloutWorkflow:
                              bytes_done=done * self.bytes_total, bytes_total=len(self.hosts) * self.bytes_total,
                              paused=self.paused, traffic=dict(self.traffic), errors=dict(self.errors),
                              version_id=self.version_id, batches=list(self.batches),
-                             phase_seconds=dict(self.phase_seconds), runs=self.runs, detail=self.detail)
+                             phase_seconds=dict(self.phase_seconds), runs=self.runs, detail=self.detail,
+                             analyses=list(self.analyses))
 
     @workflow.signal
     def pause(self) -> None:
@@ -281,7 +283,9 @@ class RolloutWorkflow:
                 if inp.previous_version and step < 100:
                     weights[inp.previous_version] = 100 - step
                 await self._traffic(inp, weights, ready)
-                if not workflow.patched("dwell-between-steps-only"):
+                if inp.analysis is not None and step < 100:
+                    await self._analyze(inp, step)          # the judged window replaces the dwell
+                elif not workflow.patched("dwell-between-steps-only"):
                     await workflow.sleep(timedelta(seconds=inp.step_wait_s))   # histories before the patch
                 elif step != inp.traffic_steps[-1] and inp.step_wait_s > 0:
                     if self.controls_act_now:       # the dwell ends early on an abort
@@ -295,6 +299,34 @@ class RolloutWorkflow:
         self._set_phase("done", f"{len(ready)} of {len(inp.hosts)} hosts ready on {inp.version}")
         return {"version_id": info.version_id, "ready": sorted(ready), "hosts": dict(self.hosts),
                 "errors": dict(self.errors), "traffic": dict(self.traffic)}
+
+    async def _analyze(self, inp: RolloutInput, step: int) -> None:
+        """Observe ``interval_s``, judge the new version against the previous one; a failure aborts (and
+        so rolls back) with the numbers in the reason; too little traffic waits another window, up to
+        ``max_inconclusive`` times, then the step passes unjudged (said so in the status)."""
+        cfg = inp.analysis
+        for _ in range(cfg.max_inconclusive + 1):
+            self._set_phase("traffic", f"{step}% to {inp.version}: observing for {cfg.interval_s:g} s")
+            try:
+                await workflow.wait_condition(lambda: bool(self.abort_reason),
+                                              timeout=timedelta(seconds=cfg.interval_s))
+            except asyncio.TimeoutError:
+                pass
+            await self._checkpoint()
+            res: AnalysisResult = await workflow.execute_activity(
+                "analyze_traffic", AnalysisInput(inp.router, inp.model, inp.version, inp.previous_version, cfg),
+                task_queue=CONTROL_QUEUE, result_type=AnalysisResult, start_to_close_timeout=timedelta(seconds=30),
+                retry_policy=RetryPolicy(initial_interval=timedelta(seconds=1), maximum_attempts=10),
+                summary=f"analysis at {step}%")
+            self.analyses = [*self.analyses[-19:], {"step": step, "verdict": res.verdict, "reason": res.reason,
+                                                    "new": res.new, "baseline": res.baseline}]
+            if res.verdict == "pass":
+                self._set_phase("traffic", f"{step}% analysis passed: {res.reason}")
+                return
+            if res.verdict == "fail":
+                self.abort_reason = f"analysis failed at {step}% (automatic rollback): {res.reason}"
+                await self._checkpoint()                    # raises Aborted: traffic back, version discarded
+        self._set_phase("traffic", f"{step}% passed UNJUDGED: {self.analyses[-1]['reason']}")
 
     async def _budget(self, inp: RolloutInput) -> None:
         """Past the failure budget, pause for an operator; once resumed, only new failures pause again."""

@@ -69,6 +69,7 @@ class RolloutInput:
     carry: RolloutCarry | None = None     # set by continue-as-new only, never by callers
     manifest: ManifestRef | None = None   # the manifest by reference (what `weightcast publish` sends)
     pinned_versions: list[str] = field(default_factory=list)   # kept on disk besides this and the previous one
+    analysis: AnalysisConfig | None = None   # judge each traffic step before the next (None: timer only)
 
     def problems(self) -> list[str]:
         """Everything wrong with this input, in words an operator can act on (empty when valid)."""
@@ -76,6 +77,13 @@ class RolloutInput:
         if not isinstance(self.pinned_versions, list) or not all(isinstance(v, str) and v
                                                                  for v in self.pinned_versions):
             out.append(f"pinned_versions is a list of version names, got {self.pinned_versions!r}")
+        if self.analysis is not None:
+            if not isinstance(self.analysis, AnalysisConfig):
+                out.append("analysis must be an AnalysisConfig object")
+            else:
+                out += self.analysis.problems()
+                if not self.router:
+                    out.append("analysis compares versions through the router: give router")
         for what, v in (("model", self.model), ("version", self.version)):
             if not isinstance(v, str) or not NAME.match(v):
                 out.append(f"{what} {v!r} must be 1-128 characters of letters, digits, '.', '_' or '-'")
@@ -213,6 +221,52 @@ class ManifestInfo:
 
 
 @dataclass
+class AnalysisConfig:
+    """Canary analysis after each traffic step (Argo Rollouts' AnalysisTemplate / Flagger's canary
+    analysis): observe the router's numbers for ``interval_s``, then compare the new version with the
+    previous one. A failed analysis aborts the rollout and sends traffic back automatically."""
+    interval_s: float = 60.0              # observation window after each step
+    min_requests: int = 20                # fewer requests to the new version: inconclusive, wait another window
+    max_error_rate: float = 0.05          # absolute ceiling for the new version
+    max_error_rate_increase: float = 0.01 # new error rate may exceed the previous one's by at most this
+    max_p99_ratio: float = 1.5            # new p99 latency at most this times the previous one's
+    max_inconclusive: int = 3             # windows without enough requests before the step passes unjudged
+
+    def problems(self) -> list[str]:
+        out = []
+        for name in ("interval_s", "max_p99_ratio"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < 1e6:
+                out.append(f"analysis.{name} must be a positive number, got {v!r}")
+        for name in ("max_error_rate", "max_error_rate_increase"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v <= 1:
+                out.append(f"analysis.{name} is a fraction in [0, 1], got {v!r}")
+        for name in ("min_requests", "max_inconclusive"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= 10**9:
+                out.append(f"analysis.{name} must be a non-negative integer, got {v!r}")
+        return out
+
+
+@dataclass
+class AnalysisInput:
+    router: str
+    model: str
+    version: str
+    baseline: str                         # the previous version ("" : absolute thresholds only)
+    config: AnalysisConfig
+
+
+@dataclass
+class AnalysisResult:
+    verdict: str                          # pass | fail | inconclusive
+    reason: str
+    new: dict = field(default_factory=dict)          # {requests, errors, error_rate, p50_ms, p99_ms}
+    baseline: dict = field(default_factory=dict)
+
+
+@dataclass
 class TrafficInput:
     router: str
     model: str
@@ -236,3 +290,4 @@ class RolloutStatus:
     phase_seconds: dict[str, float] = field(default_factory=dict)
     runs: int = 1                                          # 1 + continue-as-new count
     detail: str = ""                                       # what the phase is doing or waiting for, and why
+    analyses: list[dict] = field(default_factory=list)     # the last canary judgments: step, verdict, numbers

@@ -1,0 +1,94 @@
+"""Automated canary analysis and rollback, against the real dev server, host workers, peerd, model
+servers and router: a version that passes its smoke test but answers with errors, and one that answers
+slowly, are each rolled back automatically at the first traffic step with the numbers in the history;
+a good one passes; `weightcast rollout rollback` moves traffic back to the replaced version."""
+import asyncio
+import json
+import sys
+import uuid
+
+import aiohttp
+import pytest
+from temporalio.client import WorkflowFailureError
+
+from peerd import manifest as mf
+from serving.checkpoint import write_checkpoint
+from tests.fleet import publish
+from tests.rollout_fixtures import Stack
+from tests.serving_fixtures import SMALL
+from weightcast.rollouts import start_rollout
+from workflows.rollout import RolloutWorkflow
+from workflows.types import AnalysisConfig
+
+pytestmark = pytest.mark.asyncio
+ANALYSIS = AnalysisConfig(interval_s=2.0, min_requests=10, max_error_rate=0.05, max_error_rate_increase=0.02,
+                          max_p99_ratio=3.0, max_inconclusive=2)
+
+
+async def release(s: Stack, tmp_path, seaweed, keys, version: str, previous: str, **kw):
+    src = write_checkpoint(tmp_path / f"ckpt-{version}", SMALL, seed=5, shard_bytes=64 * 1024, version=version)
+    m = mf.build_from_directory(src, "tiny", version, chunk_size=64 * 1024)
+    inp = s.input(version=version, signed_manifest=json.dumps(mf.sign_manifest(m, keys["private"])),
+                  previous_version=previous, **kw)
+    inp.origin = await publish(seaweed, src, f"an/{uuid.uuid4().hex[:8]}")
+    inp.step_wait_s = 0.0
+    return await start_rollout(s.client, inp)
+
+
+async def traffic(router: str, stop: asyncio.Event) -> int:
+    """Clients calling the model through the router all along (what the analysis observes)."""
+    sent = 0
+    async with aiohttp.ClientSession() as c:
+        while not stop.is_set():
+            async with c.post(f"{router}/v1/models/tiny/infer", json={"input_ids": [[1, 2, 3, 4]]}) as r:
+                await r.read()
+            sent += 1
+            await asyncio.sleep(0.01)
+    return sent
+
+
+async def test_bad_and_slow_versions_roll_back_automatically_a_good_one_passes(tmp_path, seaweed, keys):
+    s = await Stack().start(tmp_path, seaweed, keys, ["a", "b"])
+    stop = asyncio.Event()
+    load = None
+    try:
+        assert (await (await release(s, tmp_path, seaweed, keys, "v1", "", traffic_steps=[100])).result())["ready"]
+        load = asyncio.ensure_future(traffic(s.router_addr, stop))
+        weights = lambda: s.stack.router.table.models["tiny"].weights      # noqa: E731
+
+        for version, fault, words in [("v2", {"error_every": 3}, "error rate"),
+                                      ("v3", {"delay_s": 0.08}, "p99 latency")]:
+            for server in s.servers.values():       # loads and smoke-tests fine, then serves badly
+                server.faults = {version: fault}
+            handle = await release(s, tmp_path, seaweed, keys, version, "v1", traffic_steps=[50, 100],
+                                   analysis=ANALYSIS)
+            with pytest.raises(WorkflowFailureError) as e:
+                await handle.result()
+            assert "analysis failed at 50% (automatic rollback)" in str(e.value.cause) and words in str(e.value.cause)
+            st = await handle.query(RolloutWorkflow.status)
+            verdict = st.analyses[-1]
+            assert verdict["verdict"] == "fail" and verdict["new"]["requests"] >= 10 and verdict["baseline"]["requests"]
+            assert weights() == {"v1": 100} or weights().get("v1") == 100
+            assert all(version not in srv.versions for srv in s.servers.values())   # discarded everywhere
+
+        for server in s.servers.values():
+            server.faults = {}
+        handle = await release(s, tmp_path, seaweed, keys, "v4", "v1", traffic_steps=[50, 100], analysis=ANALYSIS)
+        result = await handle.result()
+        assert result["traffic"] == {"v4": 100}
+        assert [a["verdict"] for a in (await handle.query(RolloutWorkflow.status)).analyses] == ["pass"]
+
+        # on-call: back to the version v4 replaced, through a workflow
+        cli = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "weightcast.cli", "rollout", "rollback", "tiny", "--reason", "drill",
+            "--temporal", s.stack.temporal_addr, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        stdout, stderr = await cli.communicate()
+        assert cli.returncode == 0, stderr.decode()[-2000:]
+        out = json.loads(stdout.decode().strip().splitlines()[-1])
+        assert out["traffic"] == {"v1": 100} and out["from"] == "v4" and out["reason"] == "drill"
+        assert weights().get("v1") == 100 and not weights().get("v4")
+    finally:
+        stop.set()
+        if load is not None:
+            assert await load > 0
+        await s.stop()
