@@ -24,6 +24,10 @@ class Engine(Protocol):
     def device(self) -> str: ...
 
 
+class VersionGone(LookupError):
+    """The version was unloaded while a request for it was on its way in."""
+
+
 class ReferenceEngine:
     def __init__(self, device: torch.device | None = None):
         self._device = device or pick_device()
@@ -41,7 +45,10 @@ class ReferenceEngine:
 
     @torch.no_grad()
     def infer(self, version: str, input_ids: list[list[int]]) -> dict:
-        m = self.models[version].model
+        loaded = self.models.get(version)
+        if loaded is None:                   # unloaded between the server's check and this thread running
+            raise VersionGone(version)
+        m = loaded.model
         logits = m(torch.tensor(input_ids, device=self._device))[:, -1, :]
         return {"next_token": logits.argmax(-1).tolist(), "logits_head": logits[:, :16].float().cpu().tolist()}
 

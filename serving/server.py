@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from peerd.conn_guard import run_guarded
 from peerd.http_input import bearer_ok
 from peerd.metrics import metrics_handler
-from serving.engine import Engine, ReferenceEngine
+from serving.engine import Engine, ReferenceEngine, VersionGone
 from serving.http_json import MAX_BODY, bad_request, json_object
 from serving.loader import LoadError
 
@@ -191,7 +191,11 @@ def make_app(ms: ModelServer) -> web.Application:
             if fault.get("error_every") and ms.fault_count % fault["error_every"] == 0:
                 ms.m_requests.labels(v, "injected_error").inc()
                 return web.json_response({"error": "injected fault"}, status=500)
-        out = await asyncio.to_thread(ms.engine.infer, v, ids)
+        try:
+            out = await asyncio.to_thread(ms.engine.infer, v, ids)
+        except VersionGone:
+            ms.m_requests.labels(v, "not_ready").inc()
+            return web.json_response({"error": f"version {v} was unloaded from {ms.host_id} meanwhile"}, status=409)
         ms.m_requests.labels(v, "ok").inc()
         return web.json_response({"model_version": v, "host": ms.host_id, **out}, headers={"X-Model-Version": v})
 

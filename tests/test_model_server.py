@@ -118,3 +118,20 @@ async def test_load_and_unload_need_the_admin_token_and_load_only_from_the_store
             assert (await call(s, "GET", addr + "/health/ready?model_version=v1"))[0] == 200
     finally:
         await runner.cleanup()
+
+
+async def test_a_request_racing_an_unload_gets_409_not_500(tmp_path, keys):
+    """The unload lands between the server's readiness check and the inference thread (seen under load
+    during an automatic rollback): the client hears "unloaded meanwhile", and nothing is logged as a crash."""
+    v1 = verified_version(tmp_path, "v1", seed=1, key=keys["private"])
+    ms = ModelServer("h1", store_root=store_root(tmp_path), admin_token=ADMIN)
+    runner, addr = await serve(make_app(ms))
+    try:
+        async with aiohttp.ClientSession() as s:
+            assert (await call(s, "POST", addr + "/v1/load", json={"model_version": "v1", "path": str(v1)},
+                               headers=ADM))[0] == 200
+            ms.engine.unload("v1")                        # the engine lets go first, the state still says ready
+            st, body, _ = await call(s, "POST", addr + "/v1/infer", json={"model_version": "v1", "input_ids": [[1]]})
+            assert st == 409 and "unloaded" in body["error"]
+    finally:
+        await runner.cleanup()

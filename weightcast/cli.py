@@ -254,8 +254,13 @@ class TemporalUnreachable(RuntimeError):
     pass
 
 
+_TEMPORAL_USED = False    # a Temporal client was made in this process (see entry())
+
+
 async def _connect(address: str, namespace: str):
     from temporalio.client import Client
+    global _TEMPORAL_USED
+    _TEMPORAL_USED = True
     try:
         return await Client.connect(address, namespace=namespace)
     except RuntimeError as e:   # the SDK reports every connect failure as RuntimeError
@@ -613,5 +618,20 @@ def main(argv=None) -> int:
         raise
 
 
+def entry() -> None:
+    """The `weightcast` console script. After a command that used a Temporal client, leave without
+    interpreter finalization: the SDK's Rust runtime threads can touch the GIL while CPython tears
+    down and abort the process with "PyGILState_Release ... finalizing" after the command already
+    succeeded (temporalio/sdk-python#300; seen with `rollout rollback` and `rollout status --watch`)."""
+    rc = main()
+    if not _TEMPORAL_USED:
+        sys.exit(rc)
+    import logging
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc if isinstance(rc, int) else 1)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
