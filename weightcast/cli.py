@@ -405,6 +405,14 @@ def _swarm_flags(p, *, hosts: int, size: str, rate: str, chunk: str, kill: int, 
     p.add_argument("--json", action="store_true")
 
 
+def _training_bench_flags(p, *, steps: int) -> None:
+    """The flags every training benchmark takes."""
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="TrainConfig overrides")
+    p.add_argument("--json", action="store_true")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="weightcast", description="Roll model checkpoints out to a GPU fleet.")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -463,29 +471,20 @@ def build_parser() -> argparse.ArgumentParser:
     bm.set_defaults(fn=cmd_bench_manifest)
 
     ba = bench.add_parser("allreduce", help="gradient methods side by side on a rate-limited link (private netns)")
-    ba.add_argument("--ranks", type=int, default=2)
+    _training_bench_flags(ba, steps=30)
     ba.add_argument("--link", type=parse_rate, default=parse_rate("1Gbit"), help="the link's rate, e.g. 1Gbit")
-    ba.add_argument("--steps", type=int, default=30)
-    ba.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="TrainConfig overrides")
-    ba.add_argument("--json", action="store_true")
     ba.set_defaults(fn=cmd_bench_allreduce)
 
     br = bench.add_parser("rebalance", help="one slow data-parallel rank: equal shares vs rebalanced vs balanced")
-    br.add_argument("--ranks", type=int, default=2)
+    _training_bench_flags(br, steps=30)
     br.add_argument("--slowdown", type=float, default=2.0, help="the last rank computes this many times slower")
-    br.add_argument("--steps", type=int, default=30)
     br.add_argument("--batch-per-rank", type=int, default=16)
-    br.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="TrainConfig overrides")
-    br.add_argument("--json", action="store_true")
     br.set_defaults(fn=cmd_bench_rebalance)
 
     bt = bench.add_parser("train", help="tokens/s of each parallelism layout, side by side")
+    _training_bench_flags(bt, steps=20)
     bt.add_argument("--layouts", default="single,ddp,fsdp,tp,pp,fsdp_tp",
                     help="comma-separated layouts (fsdp_tp uses tp_degree=2 and needs --ranks 4)")
-    bt.add_argument("--ranks", type=int, default=2)
-    bt.add_argument("--steps", type=int, default=20)
-    bt.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="TrainConfig overrides")
-    bt.add_argument("--json", action="store_true")
     bt.set_defaults(fn=cmd_bench_train)
 
     sk = bench.add_parser("soak", help="many swarms back to back with kills and corrupt peers; counts crashed daemons")
