@@ -6,7 +6,6 @@ earlier version already holds, and asks the policy for everything else.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -240,7 +239,7 @@ class FetchJob:
         self.d.metrics.progress.labels(self.vs.vid[:12]).set(self.vs.done_chunks / len(self.m.chunks))
         self._cancel(self.policy.chunk_done(r.chunk, r.source, c.size, now - t0, now))
 
-    async def _from_origin(self, c) -> tuple[bytes, str]:
+    async def _from_origin(self, c) -> tuple[bytes | list[bytes], str | None]:
         if self.origin_spec is None:
             raise OriginError("no origin configured for this version")
         if self._origin is None:
@@ -251,9 +250,9 @@ class FetchJob:
             await self.d.download_bucket.acquire(n, priority=True)
 
         data = await self._origin.read_range(c.file, c.offset, c.size, on_piece=paced)
-        return data, hashlib.sha256(data).hexdigest()
+        return data, None                        # hashed in write_chunk's worker thread
 
-    async def _from_peer(self, peer_id: str, c) -> tuple[bytes, str]:
+    async def _from_peer(self, peer_id: str, c) -> tuple[list[bytes], str | None]:
         member = self.d.membership.members.get(peer_id)
         if member is None:
             raise PeerMissing()
@@ -266,19 +265,20 @@ class FetchJob:
             if resp.status != 200:
                 raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status,
                                                   message=f"peer {peer_id} answered {resp.status}")
-            h = hashlib.sha256()
-            buf = bytearray(c.size)
+            # the pieces as the socket delivered them: no zero-filled buffer, no copy into one; write_chunk
+            # hashes them once in its worker thread (hashlib releases the GIL, so chunks hash in parallel
+            # off the event loop) and writes them with one pwritev
+            pieces: list[bytes] = []
             pos = 0
             async for piece in resp.content.iter_chunked(256 * 1024):
                 if pos + len(piece) > c.size:
                     raise ChunkDigestMismatch(f"peer sent more than the chunk's {c.size} bytes")
                 await self.d.download_bucket.acquire(len(piece))
-                buf[pos:pos + len(piece)] = piece
-                h.update(piece)   # hashed as it streams in: the bytes are hashed once
+                pieces.append(piece)
                 pos += len(piece)
             if pos != c.size:
                 raise aiohttp.ClientPayloadError(f"short chunk: {pos} of {c.size} bytes")
-            return buf, h.hexdigest()
+            return pieces, None
 
     # ---------------------------------------------------------------- status
     def status(self) -> dict:

@@ -59,6 +59,27 @@ def _raise_if_enospc(e: OSError, what: str) -> None:
                             "or point peerd at a larger one (--store)") from e
 
 
+IOV_MAX = 1024        # Linux: at most this many buffers per pwritev
+
+
+def _pwrite_all(fd: int, pieces: list, offset: int, index: int) -> None:
+    """Write the pieces back to back from ``offset``: pwritev in batches of IOV_MAX, resuming after a
+    short write (the kernel may write fewer bytes than asked)."""
+    views = [memoryview(p) for p in pieces if len(p)]
+    while views:
+        batch = views[:IOV_MAX]
+        n = os.pwritev(fd, batch, offset)
+        if n == 0:
+            raise StoreError(f"chunk {index}: the file accepted no bytes at offset {offset}")
+        offset += n
+        while n and views:
+            if n >= len(views[0]):
+                n -= len(views.pop(0))
+            else:
+                views[0] = views[0][n:]
+                n = 0
+
+
 def _fingerprints(files: dict) -> dict[str, tuple[int, int, int]]:
     """verified.json's file entries as the (size, mtime, ctime) triples a stat is compared with."""
     return {p: (v["size"], v["mtime_ns"], v["ctime_ns"]) for p, v in files.items()}
@@ -169,19 +190,25 @@ class VersionStore:
         return self._digest_idx
 
     # -- writes
-    def write_chunk(self, index: int, data: bytes | memoryview, digest: str | None = None) -> bool:
+    def write_chunk(self, index: int, data: bytes | memoryview | list[bytes], digest: str | None = None) -> bool:
         """Check a chunk against the manifest, write it at its offset and make it and its bitmap byte
         durable. Blocking and thread-safe: call it from a worker thread, then ``mark_verified`` on the
         owner's thread. False when the bit was already set (nothing written).
 
-        ``digest`` is the hex digest the caller already computed while streaming (so bytes are
-        hashed once); when None it is computed here.
+        ``data`` may be the pieces as they came off the socket: they are hashed and written as they
+        are (pwritev), never joined into one buffer. ``digest``: the hex digest if the caller already
+        has it; when None it is computed here, in the calling (worker) thread.
         """
         c = self.manifest.chunks[index]
-        if len(data) != c.size:
-            raise ChunkDigestMismatch(f"chunk {index}: got {len(data)} bytes, manifest says {c.size}")
+        pieces = data if isinstance(data, list) else [data]
+        size = sum(len(p) for p in pieces)
+        if size != c.size:
+            raise ChunkDigestMismatch(f"chunk {index}: got {size} bytes, manifest says {c.size}")
         if digest is None:
-            digest = hashlib.sha256(data).hexdigest()
+            h = hashlib.sha256()
+            for p in pieces:
+                h.update(p)
+            digest = h.hexdigest()
         if digest != c.digest:
             raise ChunkDigestMismatch(f"chunk {index}: digest {digest[:16]}… does not match manifest "
                                       f"{c.digest[:16]}…")
@@ -193,9 +220,7 @@ class VersionStore:
             self._writers += 1
         try:
             fd = self._fds[c.file]
-            written = os.pwrite(fd, data, c.offset)
-            if written != c.size:
-                raise StoreError(f"short write of chunk {index}: {written} of {c.size} bytes")
+            _pwrite_all(fd, pieces, c.offset, index)
             os.fdatasync(fd)
             os.pwrite(self._bitmap_fd, b"\x01", index)
             os.fdatasync(self._bitmap_fd)

@@ -92,3 +92,24 @@ def test_worker_threads_write_but_only_the_owner_sets_bits(tmp_path, signed, che
         other.write_chunk(0, chunk_bytes(checkpoint, m.chunks[0]))
     reopened = ChunkStore(tmp_path / "s").open_version(m, raw)   # the durable bitmap has every bit
     assert reopened.complete and reopened.verified_bytes() == m.total_size
+
+
+def test_a_chunk_written_as_the_socket_delivered_it_in_many_pieces(tmp_path, signed, checkpoint):
+    """The receive path hands write_chunk the pieces it read (more than one pwritev can take): they are
+    hashed and written back to back, and a corrupted piece is still refused."""
+    m, doc = signed
+    vs = ChunkStore(tmp_path / "s").open_version(m, json.dumps(doc).encode())
+    c = max(m.chunks, key=lambda c: c.size)
+    data = chunk_bytes(checkpoint, c)
+    step = max(1, len(data) // 2500)                       # > IOV_MAX (1024) pieces
+    pieces = [data[i:i + step] for i in range(0, len(data), step)]
+    assert len(pieces) > 1024
+    bad = list(pieces)
+    bad[len(bad) // 2] = bytes(len(bad[len(bad) // 2]))
+    with pytest.raises(ChunkDigestMismatch):
+        vs.write_chunk(c.index, bad)
+    assert vs.write_chunk(c.index, pieces)
+    vs.mark_verified(c.index)
+    with open(vs.model_dir / c.file, "rb") as f:
+        f.seek(c.offset)
+        assert f.read(c.size) == data

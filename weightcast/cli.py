@@ -136,6 +136,13 @@ def cmd_bench_allreduce(a) -> int:
     return 0
 
 
+def cmd_bench_throughput(a) -> int:
+    from bench.throughput import run_throughput_bench
+    res = asyncio.run(run_throughput_bench(a.size, a.chunk, a.downloaders))
+    print(json.dumps(res, indent=None if a.json else 1))
+    return 0 if not res["failed"] else 1
+
+
 def cmd_bench_rebalance(a) -> int:
     from bench.rebalance import rebalance_config, run_rebalance_bench
     rebalance_config(a.ranks, a.steps, a.batch_per_rank, a.set)     # bad settings: exit 2 first
@@ -474,6 +481,14 @@ def build_parser() -> argparse.ArgumentParser:
     _training_bench_flags(ba, steps=30)
     ba.add_argument("--link", type=parse_rate, default=parse_rate("1Gbit"), help="the link's rate, e.g. 1Gbit")
     ba.set_defaults(fn=cmd_bench_allreduce)
+
+    bp = bench.add_parser("throughput", help="peerd's cost per byte: one server, N downloaders, no limits; "
+                                             "MiB/s and CPU-s/GiB per process (put TMPDIR on /dev/shm)")
+    bp.add_argument("--size", type=parse_size, default=parse_size("1G"))
+    bp.add_argument("--chunk", type=parse_size, default=parse_size("4M"))
+    bp.add_argument("--downloaders", type=int, default=1)
+    bp.add_argument("--json", action="store_true")
+    bp.set_defaults(fn=cmd_bench_throughput)
 
     br = bench.add_parser("rebalance", help="one slow data-parallel rank: equal shares vs rebalanced vs balanced")
     _training_bench_flags(br, steps=30)
