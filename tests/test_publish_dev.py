@@ -1,5 +1,6 @@
 """`weightcast dev up` / `publish` / `rollout status` / `dev down` through the real CLI: the path an
 operator and a CI job take. The stack runs as its own background process, as it would for a user."""
+import asyncio
 import json
 import os
 import time
@@ -19,6 +20,14 @@ def dev_stack(tmp_path):
     yield d, state
     if (d / "state.json").exists():
         main(["dev", "down", "--dir", str(d)])
+
+
+async def abort_record(temporal: str, wid: str) -> tuple[str, str]:
+    from temporalio.client import Client
+    hist = await (await Client.connect(temporal)).get_workflow_handle(wid).fetch_history()
+    [acc] = [e.workflow_execution_update_accepted_event_attributes for e in hist.events
+             if e.HasField("workflow_execution_update_accepted_event_attributes")]
+    return acc.accepted_request.meta.identity, acc.accepted_request.input.args.payloads[0].data.decode()
 
 
 def run(capsys, *argv) -> tuple[int, dict | None, str]:
@@ -90,6 +99,8 @@ def test_dev_up_publish_status_down(tmp_path, capsys, dev_stack):
     rc, _, err = run(capsys, "rollout", "abort", "rollout-tiny-v2", "--reason", "ghost is gone",
                      "--temporal", state["temporal"])
     assert rc == 0, err
+    who, why = asyncio.run(abort_record(state["temporal"], "rollout-tiny-v2"))   # the history says who and why
+    assert "weightcast cli" in who and "@" in who and "ghost is gone" in why
     for _ in range(100):
         _, st, _ = run(capsys, "rollout", "status", "rollout-tiny-v2", "--temporal", state["temporal"])
         if st["phase"] == "failed":

@@ -264,12 +264,23 @@ class TemporalUnreachable(RuntimeError):
 _TEMPORAL_USED = False    # a Temporal client was made in this process (see entry())
 
 
+def _operator_identity() -> str:
+    import getpass
+    import socket
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):          # no passwd entry (some containers)
+        user = f"uid{os.getuid()}"
+    return f"{user}@{socket.gethostname()} (weightcast cli, pid {os.getpid()})"
+
+
 async def _connect(address: str, namespace: str):
     from temporalio.client import Client
     global _TEMPORAL_USED
     _TEMPORAL_USED = True
     try:
-        return await Client.connect(address, namespace=namespace)
+        # the identity lands in the history with every signal and update: who paused or aborted
+        return await Client.connect(address, namespace=namespace, identity=_operator_identity())
     except RuntimeError as e:   # the SDK reports every connect failure as RuntimeError
         raise TemporalUnreachable(f"cannot reach Temporal at {address} (namespace {namespace}): {e}; start it "
                                   "(`weightcast dev up`) or pass --temporal HOST:PORT") from None
