@@ -26,6 +26,19 @@ def progress_details(host: str, st: dict) -> dict:
             "peers": [{"peer": p["peer"], "rate_bps": p["rate_bps"]} for p in peers]}
 
 
+async def _heartbeating(aw, every: float = 1.0):
+    """Await ``aw`` while heartbeating; a cancellation delivered by a heartbeat cancels it."""
+    task = asyncio.ensure_future(aw)
+    try:
+        while True:
+            done, _ = await asyncio.wait([task], timeout=every)
+            if done:
+                return task.result()
+            activity.heartbeat()
+    finally:
+        task.cancel()
+
+
 class HostActivities:
     def __init__(self, host_id: str, peerd_addr: str, token: str, store: Path, model_server: str,
                  admin_token: str = ""):
@@ -98,9 +111,10 @@ class HostActivities:
     async def load_version(self, inp: LoadInput) -> dict:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as s:
             retired = await self._retire(s, inp)
-            async with s.post(f"{self.model_server}/v1/load", headers=self.admin,
-                              json={"model_version": inp.version, "version_id": inp.version_id}) as r:
-                body = await r.json(content_type=None)
+            # a large checkpoint loads for minutes: heartbeat meanwhile, so an abort's cancellation
+            # reaches this activity within a heartbeat (the discard that follows unloads the version,
+            # and the model server drops a load that was unloaded while it ran)
+            r, body = await _heartbeating(self._post_load(s, inp))
             pruned = await self._prune_or_log(s, inp) if r.status == 200 else []
         if r.status != 200:
             # fail closed: a version that does not verify, fit or pass its smoke test is not retried blindly
@@ -109,6 +123,11 @@ class HostActivities:
                                    non_retryable=r.status in (400, 401, 403, 404) or body.get("code") in (
                                        "altered", "unverified", "wrong_version", "smoke_failed", "bad_checkpoint"))
         return {**body, "retired": retired, "pruned": pruned}
+
+    async def _post_load(self, s: aiohttp.ClientSession, inp: LoadInput):
+        async with s.post(f"{self.model_server}/v1/load", headers=self.admin,
+                          json={"model_version": inp.version, "version_id": inp.version_id}) as r:
+            return r, await r.json(content_type=None)
 
     async def _prune_or_log(self, s: aiohttp.ClientSession, inp: LoadInput) -> list[str]:
         """The load has succeeded: housekeeping that cannot run now (peerd down) must not undo it; the

@@ -52,7 +52,8 @@ class ModelServer:
     admin_token: str = ""              # required for load/unload; empty disables auth (in-process tests only)
     versions: dict[str, VersionState] = field(default_factory=dict)
     # fault injection for drills and tests (a version that passes its smoke test but serves badly):
-    # {version: {"delay_s": extra latency per request, "error_every": every Nth request answers 500}}
+    # {version: {"delay_s": extra latency per request, "error_every": every Nth request answers 500,
+    #            "load_delay_s": extra time before a load starts}}
     faults: dict[str, dict] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -79,7 +80,15 @@ class ModelServer:
                 return vs
             vs = self.versions[version] = VersionState("loading", path=str(path))
             try:
+                await asyncio.sleep(self.faults.get(version, {}).get("load_delay_s", 0.0))   # drills: a slow load
                 vs.nbytes = await asyncio.to_thread(self.engine.load, version, path, self.memory_budget, self.in_use())
+                if self.versions.get(version) is not vs:
+                    # unloaded while it was loading (an aborted rollout): the unload wins, nothing stays resident
+                    self.engine.unload(version)
+                    vs.state, vs.reason, vs.code = "failed", "unloaded while it was loading", "unloaded"
+                    self.m_loads.labels("unloaded").inc()
+                    log.info("load discarded: unloaded meanwhile", extra={"version": version})
+                    return vs
                 vs.state = "ready"
                 self.m_loads.labels("ok").inc()
                 self.m_ready.labels(version).set(1)

@@ -173,3 +173,29 @@ async def test_status_shows_live_bytes_in_seconds_and_a_silent_host_as_stuck_wit
         assert result["ready"] == ["a", "b"]
     finally:
         await s.stop()
+
+
+async def test_abort_during_a_slow_load_cancels_it_and_nothing_stays_loaded(tmp_path, seaweed, keys):
+    s = await Stack().start(tmp_path, seaweed, keys, ["a", "b"])
+    try:
+        for server in s.servers.values():
+            server.faults = {"v1": {"load_delay_s": 6.0}}    # a load that takes a while (a large checkpoint)
+        handle = await start_rollout(s.client, s.input(), f"rollout-tiny-v1-{uuid.uuid4().hex[:6]}")
+
+        async def loading():
+            st = await handle.query(RolloutWorkflow.status)
+            return "loading" in st.hosts.values()
+        await until(loading, 60, "a host loading")
+        t0 = time.monotonic()
+        await handle.execute_update(RolloutWorkflow.abort, "on-call: stop the load")
+        with pytest.raises(WorkflowFailureError):
+            await handle.result()
+        assert time.monotonic() - t0 < ACT_WITHIN_S                  # did not wait for the 6 s load
+
+        async def nothing_resident():                                # the load finishes, then drops itself
+            return all("v1" not in srv.versions and "v1" not in srv.engine.models for srv in s.servers.values())
+        await until(nothing_resident, 15, "the aborted version gone from every model server")
+        for h in ("a", "b"):
+            assert s.m.digest not in await stored(s, h)
+    finally:
+        await s.stop()

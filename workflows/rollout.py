@@ -349,18 +349,39 @@ class RolloutWorkflow:
             await asyncio.gather(*(self._load_unstaged(h, queues[h], inp, info) for h in verified))
             return True
         started = []
-        for host in verified:
-            await workflow.wait_condition(lambda: self.loading < min(self.max_loads, MAX_PENDING_LOADS))
-            if (workflow.info().get_current_history_length() > inp.max_history_events
-                    or workflow.info().is_continue_as_new_suggested()):
-                await asyncio.gather(*started)
-                return False
-            await self._checkpoint()
-            self.loading += 1
-            self.hosts[host] = "loading"
-            started.append(asyncio.ensure_future(self._load(host, queues[host], inp, info)))
-        await asyncio.gather(*started)
+        try:
+            for host in verified:
+                await workflow.wait_condition(lambda: self.loading < min(self.max_loads, MAX_PENDING_LOADS)
+                                              or self._abort_now())
+                if (workflow.info().get_current_history_length() > inp.max_history_events
+                        or workflow.info().is_continue_as_new_suggested()):
+                    await self._drain(started)
+                    return False
+                await self._checkpoint()
+                self.loading += 1
+                self.hosts[host] = "loading"
+                started.append(asyncio.ensure_future(self._load(host, queues[host], inp, info)))
+            await self._drain(started)
+        except ApplicationError:
+            # aborted: loads in flight are cancelled (their activities heartbeat, so the host hears it
+            # within a second), not waited for; the discard that follows unloads what they loaded
+            for t in started:
+                t.cancel()
+            await asyncio.gather(*started, return_exceptions=True)
+            raise
         return True
+
+    def _abort_now(self) -> bool:
+        return self.controls_act_now and bool(self.abort_reason)
+
+    async def _drain(self, started: list) -> None:
+        """Wait for the loads in flight; with the controls patch an abort interrupts the wait."""
+        if not self.controls_act_now:
+            await asyncio.gather(*started)
+            return
+        await workflow.wait_condition(lambda: all(t.done() for t in started) or bool(self.abort_reason))
+        if self.abort_reason:
+            await self._checkpoint()                    # raises Aborted
 
     async def _load_unstaged(self, host: str, queue: str, inp: RolloutInput, info: ManifestInfo) -> None:
         await workflow.wait_condition(lambda: self.loading < self.max_loads)
