@@ -233,6 +233,20 @@ def cmd_dev(a) -> int:
     return 0
 
 
+async def _enter_pressed() -> None:
+    """Wait for a line on stdin from a daemon thread: on Ctrl-C the loop shuts down without waiting
+    for a read that may never return (asyncio's default executor would join it)."""
+    import threading
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    def read() -> None:
+        sys.stdin.readline()
+        loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+    threading.Thread(target=read, daemon=True, name="wait-for-enter").start()
+    await done
+
+
 def cmd_demo(a) -> int:
     from weightcast.demo import run_demo
     print(f"weightcast demo: Temporal dev server + SeaweedFS + {a.hosts} hosts (peerd, model server, host worker) "
@@ -251,7 +265,7 @@ def cmd_demo(a) -> int:
             print(f"\nThe stack is still up. Temporal UI: {res['temporal_ui']}\n"
                   f"  weightcast rollout status {res['workflow_id']} --temporal {res['temporal']}\n"
                   "Press Enter (or Ctrl-C) to stop it.", file=sys.stderr)
-            await asyncio.to_thread(sys.stdin.readline)
+            await _enter_pressed()
 
     res = asyncio.run(run_demo(a.hosts, a.size, a.rate, lambda t, d, n, phase: bar(t, d, n), a.keep_ui, hold=hold))
     return 0 if res["ok"] else 1
