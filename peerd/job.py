@@ -265,9 +265,9 @@ class FetchJob:
             if resp.status != 200:
                 raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status,
                                                   message=f"peer {peer_id} answered {resp.status}")
-            # the pieces as the socket delivered them: no zero-filled buffer, no copy into one; write_chunk
-            # hashes them once in its worker thread (hashlib releases the GIL, so chunks hash in parallel
-            # off the event loop) and writes them with one pwritev
+            # the pieces as the socket delivered them: no zero-filled buffer and no copy on the event loop;
+            # write_chunk joins and hashes them once in its worker thread (hashlib releases the GIL, so
+            # chunks hash in parallel off the loop) and writes them with one pwrite
             pieces: list[bytes] = []
             pos = 0
             async for piece in resp.content.iter_chunked(256 * 1024):

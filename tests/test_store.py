@@ -95,13 +95,13 @@ def test_worker_threads_write_but_only_the_owner_sets_bits(tmp_path, signed, che
 
 
 def test_a_chunk_written_as_the_socket_delivered_it_in_many_pieces(tmp_path, signed, checkpoint):
-    """The receive path hands write_chunk the pieces it read (more than one pwritev can take): they are
-    hashed and written back to back, and a corrupted piece is still refused."""
+    """The receive path hands write_chunk the pieces it read (thousands when a paced download reads
+    small): they are hashed and written back to back, and a corrupted piece is still refused."""
     m, doc = signed
     vs = ChunkStore(tmp_path / "s").open_version(m, json.dumps(doc).encode())
     c = max(m.chunks, key=lambda c: c.size)
     data = chunk_bytes(checkpoint, c)
-    step = max(1, len(data) // 2500)                       # > IOV_MAX (1024) pieces
+    step = max(1, len(data) // 2500)
     pieces = [data[i:i + step] for i in range(0, len(data), step)]
     assert len(pieces) > 1024
     bad = list(pieces)
