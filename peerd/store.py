@@ -175,9 +175,9 @@ class VersionStore:
         owner's thread. False when the bit was already set (nothing written).
 
         ``data`` may be the pieces as they came off the socket: they are joined here, in the calling
-        (worker) thread, so the event loop never copies chunk bytes (pwritev of the many small pieces a
-        paced download delivers cost more than one copy and one pwrite: measured in a 16-host swarm).
-        ``digest``: the hex digest if the caller already has it; when None it is computed here.
+        (worker) thread, so the event loop never copies chunk bytes (one copy and one pwrite beat pwritev
+        of the many small pieces a paced download delivers). ``digest``: the hex digest if the caller
+        already has it; when None it is computed here.
         """
         c = self.manifest.chunks[index]
         if isinstance(data, list):

@@ -20,13 +20,13 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from peerd.metrics import metrics_handler
-from serving.capacity import CapacityRules
-from serving.version_stats import VersionStats
 from peerd.conn_guard import run_guarded
 from peerd.http_input import bearer_ok
+from peerd.metrics import metrics_handler
+from serving.capacity import CapacityRules
 from serving.http_json import MAX_BODY, bad_request, json_object
 from serving.routing import ModelRoute, RoutingError, RoutingTable
+from serving.version_stats import VersionStats
 
 _HOST = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,127}\Z")
 _ADDR = re.compile(r"^https?://[A-Za-z0-9.\-\[\]:]{1,256}/?\Z")

@@ -87,6 +87,11 @@ async def test_bad_and_slow_versions_roll_back_automatically_a_good_one_passes(t
         out = json.loads(stdout.decode().strip().splitlines()[-1])
         assert out["traffic"] == {"v1": 100} and out["from"] == "v4" and out["reason"] == "drill"
         assert weights().get("v1") == 100 and not weights().get("v4")
+        bad = await asyncio.create_subprocess_exec(                  # a name that is not one: refused, not queried
+            sys.executable, "-m", "weightcast.cli", "rollout", "rollback", "tiny' OR 'x", "--temporal",
+            s.stack.temporal_addr, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        _, stderr = await bad.communicate()
+        assert bad.returncode == 2 and "is not a model name" in stderr.decode()
     finally:
         stop.set()
         if load is not None:

@@ -14,7 +14,7 @@ from temporalio.worker import Replayer
 
 from peerd.client import PeerdClient, PeerdError
 from tests.rollout_fixtures import Stack
-from tests.test_rollout_faults import RATE, fetched, job, wait_progress
+from tests.test_rollout_faults import RATE, fetched, job, rollout_mid_distribution, wait_progress
 from weightcast.rollout_status import live_status
 from weightcast.rollouts import start_rollout
 from workers.control_worker import WORKFLOWS
@@ -53,8 +53,7 @@ async def test_pause_stops_every_download_within_seconds_and_resume_continues_fr
         tmp_path, seaweed, keys):
     s = await Stack().start(tmp_path, seaweed, keys, ["a", "b"], rate=RATE)
     try:
-        handle = await start_rollout(s.client, s.input(), "rollout-tiny-v1-paused")
-        await wait_progress(s, "a")
+        _, handle = await rollout_mid_distribution(s, "rollout-tiny-v1-paused")
         t0 = time.monotonic()
         await handle.signal(RolloutWorkflow.pause)
 
@@ -90,8 +89,7 @@ async def test_abort_mid_distribution_stops_downloads_and_removes_the_version_wi
         tmp_path, seaweed, keys):
     s = await Stack().start(tmp_path, seaweed, keys, ["a", "b"], rate=RATE)
     try:
-        handle = await start_rollout(s.client, s.input(), "rollout-tiny-v1-aborted")
-        await wait_progress(s, "a")
+        _, handle = await rollout_mid_distribution(s, "rollout-tiny-v1-aborted")
         assert s.m.digest in await stored(s, "a")
         t0 = time.monotonic()
         assert "aborting" in await handle.execute_update(RolloutWorkflow.abort, "on-call: wrong checkpoint")

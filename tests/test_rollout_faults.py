@@ -50,9 +50,9 @@ async def live_progress(s: Stack, wid: str, host: str) -> dict:
     raise TimeoutError(f"no live progress for {host}")
 
 
-async def rollout_mid_distribution(s: Stack, **kw):
+async def rollout_mid_distribution(s: Stack, wid: str = "", **kw):
     """Start a rollout and return once host a is part-way through its download."""
-    wid = f"rollout-tiny-v1-{uuid.uuid4().hex[:6]}"
+    wid = wid or f"rollout-tiny-v1-{uuid.uuid4().hex[:6]}"
     handle = await start_rollout(s.client, s.input(**kw), wid)
     await wait_progress(s, "a")
     return wid, handle

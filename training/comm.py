@@ -184,7 +184,7 @@ def powersgd_hook(state: CommState, bucket: dist.GradBucket) -> torch.futures.Fu
 
 
 def no_sync_hook(state: CommState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """local_sgd: each rank steps on its own gradient; ``average_params`` syncs every H steps."""
+    """local_sgd / diloco: each rank steps on its own gradient; ``OuterSync`` syncs every H steps."""
     return _done(bucket.buffer())
 
 

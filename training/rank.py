@@ -84,6 +84,7 @@ def run_rank(rank: int, cfg_dict: dict, out_dir: str) -> None:
             # overlap=false: DDP decides at forward time whether backward reduces, so no_sync covers both
             with contextlib.nullcontext() if cfg.overlap else model.no_sync():
                 loss_t = lm_loss(model, ids)
+            mean_loss = loss_t.detach()                          # this share's mean, reported unweighted
             t_fwd = time.perf_counter() - t0                      # making the share and its forward
             work = t_fwd * (1 + BACKWARD_OVER_FORWARD)           # this rank's compute, without any waiting
             if slowdown > 1:                                     # an injected slow rank (config slow_ranks)
@@ -97,7 +98,7 @@ def run_rank(rank: int, cfg_dict: dict, out_dir: str) -> None:
                 with model.no_sync():
                     loss_t.backward()
                 reduce_after_backward(core, state)
-            loss = loss_t.item() / (Balancer.loss_weight(mine, place.dp_size, cfg.global_batch) if balancer else 1)
+            loss = mean_loss.item()
         opt.step()
         if outer and (step + 1) % cfg.sync_every == 0:
             outer.sync()

@@ -303,13 +303,13 @@ async def _connect(address: str, namespace: str):
 WATCH_PAUSED = 4          # `--wait`/`--watch` exit code: the rollout waits for an operator
 
 
-async def _watch(client, workflow_id: str, exit_on_pause: bool = True) -> int:
+async def _watch(client, workflow_id: str) -> int:
     """Live view until the rollout ends (0 completed, 1 failed) or pauses (4, with the reason): a
     progress bar of bytes, hosts by state, stuck hosts. Rides out Temporal outages (the rollout does):
     reconnects with back-off and says so."""
     from temporalio.client import WorkflowExecutionStatus
     from temporalio.service import RPCError
-    from weightcast.rollout_status import live_status
+    from weightcast.rollout_status import SILENT_AFTER_S, live_status
     h = client.get_workflow_handle(workflow_id)
     t0 = asyncio.get_running_loop().time()
     bar = Progress(workflow_id)
@@ -331,7 +331,7 @@ async def _watch(client, workflow_id: str, exit_on_pause: bool = True) -> int:
             st["counts"].get("ready", 0) * total / max(1, len(st["hosts"])), total)
         for host in st["stuck"]:
             p = st["progress"][host]
-            why = (f"silent for {p['heartbeat_age_s']} s" if (p["heartbeat_age_s"] or 0) >= 6
+            why = (f"silent for {p['heartbeat_age_s']} s" if (p["heartbeat_age_s"] or 0) >= SILENT_AFTER_S
                    else f"no chunk verified for {p['idle_s']} s")
             print(f"\nstuck: {host}: {why}, attempt {p['attempt']}"
                   + (f", last error: {p['last_error']}" if p["last_error"] else ""), file=sys.stderr)
@@ -340,7 +340,7 @@ async def _watch(client, workflow_id: str, exit_on_pause: bool = True) -> int:
             print(json.dumps({"status": desc.status.name, "phase": st["phase"], "hosts": st["counts"],
                               "traffic": st["traffic"], "errors": st["errors"], "detail": st["detail"]}))
             return 0 if desc.status == WorkflowExecutionStatus.COMPLETED else 1
-        if st["paused"] and exit_on_pause:
+        if st["paused"]:
             bar.close()
             print(json.dumps({"status": "PAUSED", "phase": st["phase"], "hosts": st["counts"],
                               "errors": st["errors"], "detail": st["detail"]}))
@@ -423,6 +423,13 @@ def cmd_rollout(a) -> int:
                   file=sys.stderr)
             return 2
         raise
+
+
+def positive_int(s: str) -> int:
+    n = int(s)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
 
 
 def _swarm_flags(p, *, hosts: int, size: str, rate: str, chunk: str, kill: int, corrupt: int) -> None:
@@ -511,7 +518,7 @@ def build_parser() -> argparse.ArgumentParser:
                                              "MiB/s and CPU-s/GiB per process (put TMPDIR on /dev/shm)")
     bp.add_argument("--size", type=parse_size, default=parse_size("1G"))
     bp.add_argument("--chunk", type=parse_size, default=parse_size("4M"))
-    bp.add_argument("--downloaders", type=int, default=1)
+    bp.add_argument("--downloaders", type=positive_int, default=1)
     bp.add_argument("--json", action="store_true")
     bp.set_defaults(fn=cmd_bench_throughput)
 

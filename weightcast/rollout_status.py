@@ -13,7 +13,7 @@ from temporalio.service import RPCError
 from workflows.rollout import RolloutWorkflow
 
 STUCK_AFTER_S = 30.0      # peerd reports, but no chunk verified for this long
-SILENT_AFTER_S = 6.0      # no heartbeat for this long (they come every 2 s): peerd or the host worker is gone
+SILENT_AFTER_S = 6.0      # no heartbeat for this long (host workers send one a second): peerd or the worker is gone
 
 
 async def live_status(client: Client, workflow_id: str) -> dict:

@@ -8,7 +8,7 @@ from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 
 from workflows.rollback import RollbackInput, RollbackWorkflow
 from workflows.rollout import RolloutWorkflow
-from workflows.types import CONTROL_QUEUE, RolloutInput
+from workflows.types import CONTROL_QUEUE, NAME, RolloutInput
 
 
 class InvalidRolloutInput(ValueError):
@@ -40,9 +40,13 @@ async def start_rollout(client: Client, inp: RolloutInput, workflow_id: str | No
 async def latest_completed_rollout(client: Client, model: str) -> RolloutInput | None:
     """The input of the most recently closed, completed rollout of ``model`` (visibility, then the
     first event of its history)."""
+    if not NAME.match(model):
+        raise InvalidRolloutInput(f"model {model!r} is not a model name (letters, digits, . _ -)")
     latest = None
-    async for w in client.list_workflows("WorkflowType = 'RolloutWorkflow' AND ExecutionStatus = 'Completed'"):
-        if w.id.startswith(f"rollout-{model}-") and (latest is None or w.close_time > latest.close_time):
+    query = (f"WorkflowType = 'RolloutWorkflow' AND ExecutionStatus = 'Completed' "
+             f"AND WorkflowId STARTS_WITH '{rollout_id(model, '')}'")      # only this model's rollouts
+    async for w in client.list_workflows(query):
+        if latest is None or w.close_time > latest.close_time:
             latest = w
     if latest is None:
         return None

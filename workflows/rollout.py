@@ -18,8 +18,9 @@ from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflow
 
 with workflow.unsafe.imports_passed_through():
     from workflows.host_batch import HostBatchWorkflow
-    from workflows.types import (CONTROL_QUEUE, AnalysisInput, AnalysisResult, DiscardInput, DistributeInput, HostBatchInput, HostOutcome, LoadInput,
-                                 ManifestCheck, ManifestInfo, RolloutCarry, RolloutInput, RolloutStatus, TrafficInput)
+    from workflows.types import (CONTROL_QUEUE, AnalysisInput, AnalysisResult, DiscardInput, DistributeInput,
+                                 HostBatchInput, HostOutcome, LoadInput, ManifestCheck, ManifestInfo, RolloutCarry,
+                                 RolloutInput, RolloutStatus, TrafficInput)
 
 PHASE = SearchAttributeKey.for_keyword("RolloutPhase")
 MAX_PENDING_LOADS = 1000      # Temporal allows 2,000 pending activities per workflow
@@ -208,12 +209,7 @@ class RolloutWorkflow:
         if self.controls_act_now:
             results = await self._distribute_until_stopped(inp, dist, batches)
         else:
-            self.batches = [f"{workflow.info().workflow_id}-batch-{i}" for i in range(len(batches))]
-            results = await asyncio.gather(*(
-                workflow.execute_child_workflow(
-                    HostBatchWorkflow.run, HostBatchInput(b, dist, inp.unreachable_after_s, inp.heartbeat_timeout_s),
-                    id=self.batches[i], result_type=list[HostOutcome])
-                for i, b in enumerate(batches)))
+            results = await self._batch_children(inp, dist, batches)
         for outcome in (o for batch in results for o in batch):
             self.hosts[outcome.host] = outcome.state
             if outcome.error:
@@ -233,12 +229,7 @@ class RolloutWorkflow:
         attempt = 0
         while True:
             suffix = "" if attempt == 0 else f"-r{attempt}"
-            self.batches = [f"{workflow.info().workflow_id}-batch-{i}{suffix}" for i in range(len(batches))]
-            run = asyncio.ensure_future(asyncio.gather(*(
-                workflow.execute_child_workflow(
-                    HostBatchWorkflow.run, HostBatchInput(b, dist, inp.unreachable_after_s, inp.heartbeat_timeout_s),
-                    id=self.batches[i], result_type=list[HostOutcome])
-                for i, b in enumerate(batches))))
+            run = asyncio.ensure_future(self._batch_children(inp, dist, batches, suffix))
             await workflow.wait_condition(lambda: run.done() or self.paused or bool(self.abort_reason))
             if run.done():
                 return run.result()
@@ -256,6 +247,22 @@ class RolloutWorkflow:
             for h in self.hosts:
                 self.hosts[h] = "downloading"
             attempt += 1
+
+    def _batch_children(self, inp: RolloutInput, dist: DistributeInput, batches: list[list], suffix: str = ""):
+        """One HostBatchWorkflow child per batch (ids ``<workflow id>-batch-<i><suffix>``), gathered."""
+        self.batches = [f"{workflow.info().workflow_id}-batch-{i}{suffix}" for i in range(len(batches))]
+        return asyncio.gather(*(
+            workflow.execute_child_workflow(
+                HostBatchWorkflow.run, HostBatchInput(b, dist, inp.unreachable_after_s, inp.heartbeat_timeout_s),
+                id=self.batches[i], result_type=list[HostOutcome])
+            for i, b in enumerate(batches)))
+
+    async def _unless_aborted(self, seconds: float) -> None:
+        """A timer that an abort ends early."""
+        try:
+            await workflow.wait_condition(lambda: bool(self.abort_reason), timeout=timedelta(seconds=seconds))
+        except asyncio.TimeoutError:
+            pass
 
     async def _resume(self, inp: RolloutInput, c: RolloutCarry) -> dict:
         """A continued-as-new run: restore the state and carry on loading."""
@@ -289,11 +296,7 @@ class RolloutWorkflow:
                     await workflow.sleep(timedelta(seconds=inp.step_wait_s))   # histories before the patch
                 elif step != inp.traffic_steps[-1] and inp.step_wait_s > 0:
                     if self.controls_act_now:       # the dwell ends early on an abort
-                        try:
-                            await workflow.wait_condition(lambda: bool(self.abort_reason),
-                                                          timeout=timedelta(seconds=inp.step_wait_s))
-                        except asyncio.TimeoutError:
-                            pass
+                        await self._unless_aborted(inp.step_wait_s)
                     else:
                         await workflow.sleep(timedelta(seconds=inp.step_wait_s))
         self._set_phase("done", f"{len(ready)} of {len(inp.hosts)} hosts ready on {inp.version}")
@@ -307,11 +310,7 @@ class RolloutWorkflow:
         cfg = inp.analysis
         for _ in range(cfg.max_inconclusive + 1):
             self._set_phase("traffic", f"{step}% to {inp.version}: observing for {cfg.interval_s:g} s")
-            try:
-                await workflow.wait_condition(lambda: bool(self.abort_reason),
-                                              timeout=timedelta(seconds=cfg.interval_s))
-            except asyncio.TimeoutError:
-                pass
+            await self._unless_aborted(cfg.interval_s)
             await self._checkpoint()
             res: AnalysisResult = await workflow.execute_activity(
                 "analyze_traffic", AnalysisInput(inp.router, inp.model, inp.version, inp.previous_version, cfg),
