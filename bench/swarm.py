@@ -35,6 +35,7 @@ class SwarmBenchConfig:
     chunk: int = 1024 * 1024
     kill: int = 0
     corrupt_peers: int = 0
+    max_uploads: int | None = None         # peerd's --max-uploads (default: peerd's own)
     timeout: float = 600.0
     workdir: Path | None = None            # kept afterwards when given
     checkpoint: Callable[[Path], Path] | None = None   # writes the checkpoint; default random bytes
@@ -77,6 +78,8 @@ async def run_swarm_bench(cfg: SwarmBenchConfig, progress=None) -> dict:
         seeders = [i for i in ids if i not in corrupt]
         for i in ids:
             extra = ["--fault-corrupt-uploads"] if i in corrupt else []
+            if cfg.max_uploads:
+                extra += ["--max-uploads", str(cfg.max_uploads)]
             args = fleet_args(i, ports, token=token, trusted_key=work / "key.pub", rate=cfg.rate,
                               origin_rate=cfg.rate / len(seeders), extra=extra)
             procs.append(PeerdProc(i, ports[i], work / "hosts" / i / "store", args, env=s3.env()))

@@ -9,7 +9,7 @@ import signal
 import sys
 from pathlib import Path
 
-from peerd.config import PeerdConfig
+from peerd.config import PeerdConfig, default
 from peerd.daemon import Daemon
 from peerd.logging_setup import setup
 from peerd.policy import PolicyConfig
@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--id", required=True, help="host id, unique in the fleet")
     ap.add_argument("--store", required=True, type=Path, help="directory versions are assembled in")
     ap.add_argument("--listen", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    ap.add_argument("--port", type=int, default=7700, help="port (0 = pick a free one; see --ready-file)")
+    ap.add_argument("--port", type=int, default=default("port"), help="port (0 = pick a free one; see --ready-file)")
     ap.add_argument("--advertise", help="address peers use, default http://<listen>:<port>")
     ap.add_argument("--rack", default="")
     ap.add_argument("--token", default=os.environ.get("WEIGHTCAST_TOKEN", ""),
@@ -45,17 +45,17 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--upload-rate", type=rate, default=None, help="bytes/s (default unlimited)")
     ap.add_argument("--download-rate", type=rate, default=None, help="bytes/s (default unlimited)")
     ap.add_argument("--origin-rate", type=rate, default=None, help="bytes/s of origin reads (default unlimited)")
-    ap.add_argument("--max-uploads", type=int, default=16, help="concurrent chunk uploads before 503 busy")
+    ap.add_argument("--max-uploads", type=int, default=default("max_uploads"), help="concurrent chunk uploads before 503 busy")
     ap.add_argument("--max-cross-rack-peers", type=int, default=PolicyConfig().max_cross_rack_peers,
                     help="peers in other racks a download tracks at once (lower on oversubscribed racks)")
-    ap.add_argument("--gossip-interval", type=float, default=1.0)
-    ap.add_argument("--have-interval", type=float, default=0.1)
-    ap.add_argument("--dead-after", type=float, default=5.0)
-    ap.add_argument("--header-timeout", type=float, default=10.0,
+    ap.add_argument("--gossip-interval", type=float, default=default("gossip_interval"))
+    ap.add_argument("--have-interval", type=float, default=default("have_interval"))
+    ap.add_argument("--dead-after", type=float, default=default("dead_after"))
+    ap.add_argument("--header-timeout", type=float, default=default("header_timeout"),
                     help="seconds a connection may take to send a request head (default 10)")
-    ap.add_argument("--max-connections", type=int, default=4096, help="open connections before silent ones are shed")
-    ap.add_argument("--max-members", type=int, default=10_000, help="members remembered (bounds what gossip can add)")
-    ap.add_argument("--reserve-bytes", type=int, default=0, help="free space to keep on the store volume")
+    ap.add_argument("--max-connections", type=int, default=default("max_connections"), help="open connections before silent ones are shed")
+    ap.add_argument("--max-members", type=int, default=default("max_members"), help="members remembered (bounds what gossip can add)")
+    ap.add_argument("--reserve-bytes", type=int, default=default("reserve_bytes"), help="free space to keep on the store volume")
     ap.add_argument("--ready-file", type=Path, help="write {addr,id} JSON here once listening")
     ap.add_argument("--fault-corrupt-uploads", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--log-level", default="INFO")

@@ -60,7 +60,7 @@ def source_scores(holds: np.ndarray, same_rack: np.ndarray, mine_inflight: np.nd
     host's own rack first, then the one this host has fewest requests in flight to, then the faster
     (``rate_rank`` in [0, 1)), then at random. The weights keep that order strict for any per-peer
     cap below a million."""
-    score = same_rack * 4e6 - mine_inflight * 4.0 + rng.random(holds.shape)
+    score = same_rack * 4e6 - mine_inflight * 4.0 + rng.random(holds.shape, dtype=np.float32)
     if rate_rank is not None:
         score += 2.0 * rate_rank
     return np.where(holds, score, -np.inf)

@@ -1,7 +1,7 @@
 """peerd's configuration, with its defaults documented in one place (see docs/peerd.md)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
 from peerd.policy import PolicyConfig
@@ -21,7 +21,7 @@ class PeerdConfig:
     upload_rate: float | None = None            # bytes/s; None = unlimited
     download_rate: float | None = None
     origin_rate: float | None = None            # bytes/s this host may read from the origin
-    max_uploads: int = 16                       # concurrent chunk uploads before answering 503 busy
+    max_uploads: int = 8                        # concurrent chunk uploads before answering 503 busy (= max_inflight: docs/peerd.md)
     gossip_interval: float = 1.0                # seconds between gossip rounds
     gossip_fanout: int = 3                      # random peers per round (plus active swarm peers)
     have_interval: float = 0.1                  # bitmap pushes to active peers while downloading
@@ -35,3 +35,15 @@ class PeerdConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     ready_file: Path | None = None
     fault_corrupt_uploads: bool = False         # test-only fault injection: serve flipped bytes
+
+
+def default(name: str):
+    """PeerdConfig's default for one field: the command line and the simulator read it from here,
+    so the number has one owner."""
+    for f in fields(PeerdConfig):
+        if f.name == name:
+            if f.default is not MISSING:
+                return f.default
+            if f.default_factory is not MISSING:
+                return f.default_factory()
+    raise KeyError(f"PeerdConfig has no default for {name!r}")

@@ -171,9 +171,11 @@ class Daemon:
 
     # ---------------------------------------------------------------- gossip
     def gossip_message(self) -> dict:
+        # load: the share of upload slots in use, so that peers spread their requests (docs/peerd.md)
         return {"from": self.membership.me,
                 "versions": {vid: pack_bits(vs.bits) for vid, vs in self.store.versions.items()},
-                "peers": self.membership.sample_peers(8)}
+                "peers": self.membership.sample_peers(8),
+                "load": round(self.uploads_active / max(self.config.max_uploads, 1), 3)}
 
     def absorb_gossip(self, msg: dict) -> None:
         member, _ = self.membership.heard_from(msg["from"], msg["versions"])
@@ -189,7 +191,7 @@ class Daemon:
             job = self.jobs.get(vid)
             if job is not None:
                 try:
-                    job.on_bitmap(member.id, member.rack, packed)
+                    job.on_bitmap(member.id, member.rack, packed, msg["load"])
                 except WireError as e:
                     log.warning("bad bitmap from %s: %s", member.id, e)
         self.metrics.peers_alive.set(len(self.membership.live()))

@@ -164,13 +164,13 @@ class FetchJob:
                 self.policy.member_dead(sid)
 
     # ---------------------------------------------------------------- events from the daemon
-    def on_bitmap(self, peer_id: str, rack: str, packed: str) -> None:
+    def on_bitmap(self, peer_id: str, rack: str, packed: str, load: float | None = None) -> None:
         if self.policy is None or self.state != "fetching":
             return
         if peer_id not in self.policy.peers and len(self.policy.peers) >= self.d.config.max_active_peers:
             return
         self.policy.peer_bitmap(peer_id, unpack_bits(packed, len(self.m.chunks)),
-                                asyncio.get_running_loop().time(), rack=rack)
+                                asyncio.get_running_loop().time(), rack=rack, load=load)
         self._wake.set()
 
     def on_quarantine(self, peer_id: str) -> None:

@@ -38,7 +38,8 @@ class PolicyConfig:
     max_backoff_s: float = 30.0
     busy_backoff_s: float = 0.05   # a peer at its upload limit is retried soon
     max_errors: int = 3            # consecutive errors before a peer is declared dead
-    rack_grace_s: float = 2.0      # a non-designated host waits this long before pulling cross-rack
+    rack_grace_s: float = 2.0      # a chunk's backup importer in each rack waits this long before pulling cross-rack
+    rack_rescue_s: float = 10.0    # after this any host may pull it across racks (importers dead or cut off)
     max_cross_rack_peers: int = 12  # peers in other racks tracked at once; lower it (4) on oversubscribed racks
     plan_size: int = 64            # chunks ranked per re-plan
     window: int = 1024             # ranked among the lowest missing chunks: a bounded spread of
@@ -69,9 +70,14 @@ class PeerState:
     backoff_s: float = 0.0
     rate: float = 0.0              # EWMA bytes/s over completed transfers
     samples: int = 0
+    load: float = 0.0              # share of its upload slots in use, as it last reported
 
     def usable(self, now: float) -> bool:
         return self.alive and not self.quarantined and now >= self.backoff_until
+
+    def open(self, now: float) -> bool:
+        """Worth a new request: usable and not full when it last reported (it would answer busy)."""
+        return self.usable(now) and self.load < 1.0
 
 
 @dataclass
@@ -118,16 +124,19 @@ class SwarmPolicy:
         self.origin_mask = (idx % len(live) == live.index(self.me)) if self.me in live else np.zeros(self.n_chunks, bool)
         racks = self._live(self.rack_members)
         if self.me in racks and len(racks) > 1:
-            self.import_mask = (idx % len(racks)) == racks.index(self.me)
+            n, me = len(racks), racks.index(self.me)
+            self.import_mask = (idx % n) == me                  # the chunk's importer in this rack
+            self.backup_mask = ((idx % n) + n // 2) % n == me    # and its backup, after the grace
         else:
-            self.import_mask = np.ones(self.n_chunks, bool)
+            self.import_mask = self.backup_mask = np.ones(self.n_chunks, bool)
         self._dirty = True
 
     # ------------------------------------------------------------ events
-    def peer_bitmap(self, peer: str, bits, now: float, rack: str | None = None) -> bool:
-        """A peer's full bitmap (gossip). Adds or revives the peer; returns False for a new peer in
-        another rack while ``max_cross_rack_peers`` live ones are tracked already (rack-aware peer
-        set: with few remote peers, most bytes stay inside the rack)."""
+    def peer_bitmap(self, peer: str, bits, now: float, rack: str | None = None, load: float | None = None) -> bool:
+        """A peer's full bitmap (gossip), with the share of its upload slots in use. Adds or revives
+        the peer; returns False for a new peer in another rack while ``max_cross_rack_peers`` live
+        ones are tracked already (rack-aware peer set: with few remote peers, most bytes stay inside
+        the rack)."""
         bits = np.asarray(bits, bool)
         p = self.peers.get(peer)
         if p is None and self._remote(rack) and sum(
@@ -140,6 +149,8 @@ class SwarmPolicy:
             p.alive = False  # counted in below
         if rack is not None:
             p.rack = rack
+        if load is not None:
+            p.load = load
         if peer in self.dead_members:
             self.dead_members.discard(peer)
             self._restripe()
@@ -157,11 +168,13 @@ class SwarmPolicy:
     def _remote(self, rack: str | None) -> bool:
         return bool(self.rack) and bool(rack) and rack != self.rack
 
-    def peer_has(self, peer: str, chunks, now: float) -> None:
-        """Incremental announcement of chunks a known peer now holds."""
+    def peer_has(self, peer: str, chunks, now: float, load: float | None = None) -> None:
+        """Incremental announcement of chunks a known peer now holds (and its upload load)."""
         p = self.peers.get(peer)
         if p is None:
             return
+        if load is not None:
+            p.load = load
         chunks = np.asarray(chunks, np.int64)
         new = chunks[~p.bits[chunks]]
         p.bits[new] = True
@@ -278,7 +291,7 @@ class SwarmPolicy:
             return out
         # peers that can take a request now, in a random rotation (random among equals)
         cap = self.config.max_per_peer
-        ready = [(pid, p) for pid, p in self._peer_list if p.inflight < cap and p.usable(now)]
+        ready = [(pid, p) for pid, p in self._peer_list if p.inflight < cap and p.open(now)]
         if not ready:
             return out
         r = self._rnd.randrange(len(ready))
@@ -348,9 +361,14 @@ class SwarmPolicy:
         self._plan = cand[0][ok[0]]
 
     def _cross_ok(self, chunks: np.ndarray, now: float) -> np.ndarray:
-        """May these chunks come from another rack? For this host's import stripe, yes; for the
-        rest once the rack grace has passed since a peer was first seen with them."""
-        return self.import_mask[chunks] | (now - self.first_seen[chunks] >= self.config.rack_grace_s)
+        """May these chunks come from another rack? Each chunk has one importer and one backup in
+        every rack (stripes over the rack's live members): the importer may at once, the backup
+        once ``rack_grace_s`` has passed since a peer was first seen with the chunk, anyone after
+        ``rack_rescue_s``. The rest of the rack gets it from inside: at most about two copies of
+        a chunk cross into a rack."""
+        age = now - self.first_seen[chunks]
+        return (self.import_mask[chunks] | (self.backup_mask[chunks] & (age >= self.config.rack_grace_s))
+                | (age >= self.config.rack_rescue_s))
 
     def _origin_chunks(self, now: float) -> list[int]:
         """The next chunks of this host's origin stripe that no live peer holds: near the front of
@@ -368,11 +386,18 @@ class SwarmPolicy:
         holds = np.array([bool(p.bits[c]) for _, p in ready]) & (same | cross_ok)
         if not holds.any():
             return None
-        rates = np.array([p.rate for _, p in ready])
-        rate_rank = rates.argsort().argsort() / len(ready)
         inflight = np.array([p.inflight for _, p in ready])
-        score = source_scores(holds[None], same[None], inflight[None], self.rng, rate_rank[None])[0]
+        score = source_scores(holds[None], same[None], inflight[None], self.rng, self._speed(ready)[None])[0]
         return ready[int(np.argmax(score))][0]
+
+    @staticmethod
+    def _speed(ready: list) -> np.ndarray:
+        """How fast each peer should serve a new request, in [0, 1): mostly its spare upload slots
+        as last reported (a loaded uploader splits its link more ways; every host acting on stale
+        throughput alone herds onto the same fast peers), then its measured throughput rank."""
+        rates = np.array([p.rate for _, p in ready])
+        spare = 1.0 - np.array([min(p.load, 1.0) for _, p in ready])
+        return 0.74 * spare + 0.25 * rates.argsort().argsort() / len(ready)
 
     def _peer_first(self, now: float, free: int, ready: list) -> list[Request]:
         """The rarest chunks' holders are all busy: rather than idle, ask each ready peer for the
@@ -380,7 +405,7 @@ class SwarmPolicy:
         out: list[Request] = []
         cols = np.arange(self.lo, min(self.lo + self.config.window, self.n_chunks))[None, :]
         cross_ok = self._cross_ok(cols, now)
-        for pid, p in ready:
+        for pid, p in sorted(ready, key=lambda x: x[1].load):   # the least loaded first (stable: random among equals)
             if len(out) >= free:
                 break
             offered = p.bits[cols] & (cross_ok if p.rack != self.rack else True)
@@ -445,4 +470,4 @@ class SwarmPolicy:
     def peer_summary(self, now: float) -> list[dict]:
         return [{"peer": pid, "rack": p.rack, "alive": p.alive, "quarantined": p.quarantined,
                  "inflight": p.inflight, "rate_bps": round(p.rate), "backing_off": now < p.backoff_until,
-                 "chunks": int(p.bits.sum())} for pid, p in sorted(self.peers.items())]
+                 "chunks": int(p.bits.sum()), "load": p.load} for pid, p in sorted(self.peers.items())]

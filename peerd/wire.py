@@ -69,7 +69,11 @@ def check_gossip(body) -> dict:
     peers = body.get("peers", [])
     if not isinstance(peers, list) or len(peers) > 256:
         raise WireError("peers must be a list of at most 256 peers")
-    return {"from": sender, "versions": versions, "peers": [check_peer(p) for p in peers]}
+    load = body.get("load")
+    if load is not None and (isinstance(load, bool) or not isinstance(load, (int, float)) or not 0 <= load <= 1e3):
+        raise WireError("load must be a number >= 0 (the share of upload slots in use)")
+    return {"from": sender, "versions": versions, "peers": [check_peer(p) for p in peers],
+            "load": None if load is None else float(load)}
 
 
 def check_job(body) -> dict:

@@ -1,7 +1,7 @@
 """The batched decision rules (one row per deciding host) and the fluid link model."""
 import numpy as np
 
-from bench.links import max_min_rates
+from peerd.sim.fluid import max_min_rates
 from peerd.choice import rank_window, source_scores, tiebreak_params
 
 

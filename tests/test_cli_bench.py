@@ -18,6 +18,14 @@ def test_sim_prints_the_brief_comparison(capsys):
     assert r["survivors"] + r["died"] == 30
     assert r["max_s"] >= r["lower_bound_s"] and r["naive_pull_s"] == 30 * r["lower_bound_s"]
     assert 0.99 <= r["origin_copies"] <= 1.2
+    assert r["config"]["max_uploads"] == 8 and r["config"]["policy"]["window"] == 1024   # peerd's defaults
+
+
+def test_sim_runs_the_policy_objects_with_peerd_flags(capsys):
+    assert main(["sim", "--engine", "policies", "--hosts", "12", "--size", "1GB", "--chunk", "32MB", "--racks", "2",
+                 "--seeders", "2", "--fail", "0", "--max-uploads", "4", "--rack-rescue-s", "5", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["survivors"] == 12 and r["ratio"] >= 1.0 and r["origin_copies"] == 1.0
 
 
 def test_demo_end_to_end():

@@ -42,6 +42,13 @@ async def test_malformed_and_oversized_bodies(daemon):
     st, body = await call("POST", daemon + "/v1/gossip", headers=AUTH, json={
         "from": {"id": "p", "addr": "http://127.0.0.1:1"}, "versions": {"a" * 64: "!!notbase64"}})
     assert st == 200        # a bad bitmap for an unknown version is ignored, not fatal
+    for load in ("half", -1, True):
+        st, body = await call("POST", daemon + "/v1/gossip", headers=AUTH, json={
+            "from": {"id": "p", "addr": "http://127.0.0.1:1"}, "load": load})
+        assert st == 400 and "load" in body["error"]
+    st, body = await call("POST", daemon + "/v1/gossip", headers=AUTH, json={
+        "from": {"id": "p", "addr": "http://127.0.0.1:1"}, "load": 0.5})
+    assert st == 200 and body["load"] == 0.0     # and the reply carries this daemon's own (idle)
     st, body = await call("POST", daemon + "/v1/jobs", json={"manifest": "x"}, headers=AUTH)
     assert st == 400 and "manifest" in body["error"]
     st, body = await call("GET", daemon + "/v1/jobs/not-a-version", headers=AUTH)

@@ -62,6 +62,41 @@ def test_same_rack_preferred_and_cross_rack_striped():
     assert later == set(range(1, 8)) - set(reqs)
 
 
+def test_each_chunk_crosses_into_a_rack_through_its_importer_then_its_backup():
+    members = ("me", "x2", "x3", "x4")          # me is rank 0: importer of c % 4 == 0, backup of c % 4 == 2
+    p = pol(16, rack="r1", rack_members=members,
+            config=PolicyConfig(random_first=0, max_inflight=16, max_per_peer=16, rack_grace_s=2, rack_rescue_s=10))
+    p.peer_bitmap("far", np.ones(16, bool), 0, rack="r2")
+    now = {r.chunk for r in p.next_requests(0)}
+    assert now == {c for c in range(16) if c % 4 == 0}
+    grace = {r.chunk for r in p.next_requests(3)}
+    assert grace == {c for c in range(16) if c % 4 == 2}
+    assert p.next_requests(9) == []            # the other two ranks' chunks come from inside the rack ...
+    rescue = {r.chunk for r in p.next_requests(11)}
+    assert rescue == {c for c in range(16) if c % 2 == 1}   # ... unless nobody there has them by the rescue
+
+
+def test_a_full_uploader_is_not_asked_and_the_less_loaded_holder_is_preferred():
+    def first_source(seed, calm_load):
+        p = pol(2, config=PolicyConfig(random_first=0, max_inflight=1), seed=seed)
+        p.peer_bitmap("full", np.ones(2, bool), 0, load=1.0)
+        p.peer_bitmap("busy", np.ones(2, bool), 0, load=0.875)
+        p.peer_bitmap("calm", np.ones(2, bool), 0, load=calm_load)
+        return p.next_requests(0)[0].source
+    picks = [first_source(s, 0.0) for s in range(60)]
+    assert "full" not in picks                  # it would answer busy
+    assert picks.count("calm") >= 45
+    assert {first_source(s, 0.875) for s in range(30)} == {"calm", "busy"}   # equal loads: either
+
+
+def test_a_peer_reporting_room_again_is_asked_again():
+    p = pol(2, config=PolicyConfig(random_first=0, max_inflight=1))
+    p.peer_bitmap("a", np.ones(2, bool), 0, load=1.0)
+    assert p.next_requests(0) == []
+    p.peer_has("a", [], 0.1, load=0.5)          # its next push says it has room
+    assert [r.source for r in p.next_requests(0.1)] == ["a"]
+
+
 def test_origin_only_for_own_stripe_and_only_when_no_peer_has_it():
     p = pol(6, seeders=("me", "s2"), config=PolicyConfig(random_first=0, max_inflight=6, origin_inflight=6))
     p.peer_bitmap("s2", bits(6, [0]), 0)

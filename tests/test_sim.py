@@ -1,7 +1,16 @@
-"""The simulator runs the policy's batched rules over a fluid link model (deterministic, seeded)."""
+"""The simulator: peerd's rules over a fluid link model (deterministic, seeded), knowing only what
+peerd knows, and checked against the daemon's own policy objects."""
+import dataclasses
+
 import pytest
 
-from bench.sim import SimConfig, analytic_baselines, simulate
+from peerd.config import PeerdConfig
+from peerd.policy import PolicyConfig
+from peerd.sim.config import SimConfig, analytic_baselines
+from peerd.sim.fleet import simulate
+from peerd.sim.policies import simulate_policies
+
+CHUNK = 64 * 2**20
 
 
 def test_brief_baselines():
@@ -11,9 +20,16 @@ def test_brief_baselines():
     assert round(b["binary_tree_s"] / 60) == 75             # ~75 min
 
 
+def test_defaults_are_peerds():
+    cfg, peerd = SimConfig(), PeerdConfig(host_id="h", store=None)
+    assert cfg.policy == PolicyConfig()
+    assert (cfg.max_uploads, cfg.max_active_peers, cfg.have_interval, cfg.dead_after) == (
+        peerd.max_uploads, peerd.max_active_peers, peerd.have_interval, peerd.dead_after)
+
+
 @pytest.fixture(scope="module")
 def mid_run():
-    cfg = SimConfig(hosts=64, size=400 * 64 * 2**20, racks=4, seeders=8, fail_fraction=0.1)
+    cfg = SimConfig(hosts=64, size=400 * CHUNK, racks=4, seeders=8, fail_fraction=0.1)
     return cfg, simulate(cfg)
 
 
@@ -22,12 +38,14 @@ def test_swarm_with_failures_finishes_near_the_bound_with_one_origin_copy(mid_ru
     assert r["survivors"] == 58 and r["died"] == 6
     assert r["origin_copies"] <= 1.05
     assert r["lower_bound_s"] <= r["p50_s"] <= r["max_s"]
-    # 400 chunks is short enough that the pipeline's fill and drain show (~10 %); the ratio falls
-    # towards 1 with more chunks (README: 1,000 hosts x 5,961 chunks -> 1.04)
-    assert r["ratio"] < 1.25
-    assert 0.8 < r["mean_download_utilisation"] <= 1.0
+    # 400 chunks is short enough that the pipeline's fill and drain show; the ratio falls towards
+    # 1 with more chunks (README: 1,000 hosts x 5,961 chunks)
+    assert r["ratio"] < 1.35
+    assert 0.75 < r["mean_download_utilisation"] <= 1.0
     assert r["naive_over_swarm"] > 1 and r["tree_over_swarm"] > 1
-    assert r["cross_rack_copies_per_chunk"] >= cfg.racks - 1   # every other rack imports each chunk
+    # every other rack imports each chunk, and mostly once: the importer and its backup only
+    assert cfg.racks - 1 <= r["cross_rack_copies_per_chunk"] <= 2 * (cfg.racks - 1)
+    assert r["copies_per_chunk_per_rack"]["mean"] <= 2
 
 
 def test_reproducible(mid_run):
@@ -38,6 +56,40 @@ def test_reproducible(mid_run):
 
 def test_seeders_dying_mid_origin_read_hand_their_stripes_on():
     # every host is a seeder and a quarter die: their unfinished origin reads must be read again
-    r = simulate(SimConfig(hosts=24, size=60 * 64 * 2**20, racks=2, seeders=24, fail_fraction=0.25))
+    r = simulate(SimConfig(hosts=24, size=60 * CHUNK, racks=2, seeders=24, fail_fraction=0.25))
     assert r["survivors"] == 18
     assert 1.0 <= r["origin_copies"] <= 1.3
+
+
+def test_a_dead_seeders_stripe_waits_until_its_peers_give_up_on_it():
+    # half the seeders die early; nobody reads their stripes until dead_after has passed
+    base = SimConfig(hosts=16, size=200 * CHUNK, racks=1, seeders=8, fail_fraction=0.25)
+    quick = simulate(dataclasses.replace(base, dead_after=0.5))
+    slow = simulate(dataclasses.replace(base, dead_after=4.0))
+    assert slow["max_s"] > quick["max_s"] + 1.0
+
+
+def test_holdings_arrive_by_bitmap_push():
+    # a chunk is asked for only once its holder has announced it: slower pushes, slower swarm
+    base = SimConfig(hosts=32, size=200 * CHUNK, racks=1, seeders=4, fail_fraction=0)
+    fast = simulate(dataclasses.replace(base, have_interval=0.1))
+    slow = simulate(dataclasses.replace(base, have_interval=1.0))
+    assert slow["max_s"] > fast["max_s"] * 1.1
+
+
+# The batched simulator against the real SwarmPolicy objects on the same fleets, failures included.
+# Stated tolerance: completion ratios (slowest survivor over S/B) within 0.15 of each other; measured
+# gaps on these scenarios are 0.01-0.12 (docs/peerd.md, "The simulator against the policy").
+AGREE = 0.15
+
+
+@pytest.mark.parametrize("scenario", [
+    dict(hosts=32, size=320 * CHUNK, racks=1, seeders=4, fail_fraction=0),
+    dict(hosts=32, size=320 * CHUNK, racks=2, seeders=8, fail_fraction=0.1),
+], ids=["one-rack", "two-racks-with-deaths"])
+def test_the_simulator_agrees_with_the_policy_objects(scenario):
+    cfg = SimConfig(**scenario)
+    fleet, policies = simulate(cfg), simulate_policies(cfg)
+    assert policies["survivors"] == fleet["survivors"]
+    assert abs(fleet["ratio"] - policies["ratio"]) <= AGREE, (fleet["ratio"], policies["ratio"])
+    assert abs(fleet["origin_copies"] - policies["origin_copies"]) <= 0.05

@@ -10,8 +10,9 @@ import sys
 import time
 from pathlib import Path
 
-from bench.sim import SimConfig
 from peerd import manifest as mf
+from peerd.config import default as peerd_default
+from peerd.policy import PolicyConfig
 from peerd.signing import KeyError_, generate_keypair, load_private_key, load_public_key
 from peerd.units import parse_rate, parse_size
 from workflows.types import HostSpec
@@ -81,24 +82,36 @@ def cmd_manifest_verify(a) -> int:
 
 
 def cmd_sim(a) -> int:
-    from bench.sim import simulate
+    import dataclasses
+
+    from peerd.policy import PolicyConfig
+    from peerd.sim.config import SimConfig
+    policy = dataclasses.replace(PolicyConfig(), **{k: getattr(a, k) for k in _SIM_POLICY_FLAGS})
     cfg = SimConfig(hosts=a.hosts, size=a.size, chunk=a.chunk, rate=a.rate, racks=a.racks,
-                    oversubscription=a.oversubscription, fail_fraction=a.fail, neighbors=a.neighbors,
-                    cross_rack_neighbors=a.cross_rack_neighbors,
-                    seeders=a.seeders, max_inflight=a.max_inflight, upload_slots=a.upload_slots,
-                    window=a.window, rack_grace_s=a.rack_grace, seed=a.seed)
-    bar, t0 = Progress("sim"), time.monotonic()     # simulated time against the bound, wall time shown
-    res = simulate(cfg, progress=lambda now, lower, done, n: bar(time.monotonic() - t0, min(now, lower), lower))
-    bar.close()
+                    oversubscription=a.oversubscription, fail_fraction=a.fail, seeders=a.seeders, seed=a.seed,
+                    policy=policy, **{k: getattr(a, k) for k in _SIM_PEERD_FLAGS})
+    if a.engine == "policies":            # the daemon's own policy objects, one per host (small fleets)
+        from peerd.sim.policies import simulate_policies
+        res = simulate_policies(cfg)
+    else:
+        from peerd.sim.fleet import simulate
+        bar, t0 = Progress("sim"), time.monotonic()     # simulated time against the bound, wall time shown
+        res = simulate(cfg, progress=lambda now, lower, done, n: bar(time.monotonic() - t0, min(now, lower), lower))
+        bar.close()
     print(json.dumps(res, indent=None if a.json else 1))
     return 0
+
+
+_SIM_POLICY_FLAGS = ("max_inflight", "max_per_peer", "window", "plan_size", "rack_grace_s", "rack_rescue_s",
+                     "max_cross_rack_peers", "origin_spread")
+_SIM_PEERD_FLAGS = ("max_active_peers", "max_uploads", "have_interval", "dead_after")
 
 
 def _swarm_config(a):
     from bench.swarm import SwarmBenchConfig
     deadline = a.deadline or 60 + 5 * a.size / a.rate     # never wait forever on a hung or dead host
     return SwarmBenchConfig(hosts=a.hosts, size=a.size, rate=a.rate, chunk=a.chunk, kill=a.kill,
-                            corrupt_peers=a.corrupt_peers, timeout=deadline)
+                            corrupt_peers=a.corrupt_peers, max_uploads=a.max_uploads, timeout=deadline)
 
 
 def cmd_bench_swarm(a) -> int:
@@ -440,6 +453,7 @@ def _swarm_flags(p, *, hosts: int, size: str, rate: str, chunk: str, kill: int, 
     p.add_argument("--chunk", type=parse_size, default=parse_size(chunk))
     p.add_argument("--kill", type=int, default=kill, help="hosts SIGKILLed at 40%% of the lower bound (per swarm)")
     p.add_argument("--corrupt-peers", type=int, default=corrupt, help="hosts that serve flipped bytes (per swarm)")
+    p.add_argument("--max-uploads", type=int, default=None, help="peerd's --max-uploads (default: peerd's own)")
     p.add_argument("--deadline", type=float, default=None, help="seconds per swarm before giving up (default 60 + 5 S/R)")
     p.add_argument("--json", action="store_true")
 
@@ -477,24 +491,26 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--dir", type=Path, help="also re-hash the files in this directory")
     v.set_defaults(fn=cmd_manifest_verify)
 
-    s = sub.add_parser("sim", help="simulate the swarm at fleet scale (the policy's rules, batched)")
-    sd = SimConfig()
-    s.add_argument("--hosts", type=int, default=sd.hosts)
+    s = sub.add_parser("sim", help="simulate the swarm at fleet scale (peerd's rules over a fluid link model)")
+    s.add_argument("--engine", choices=("fleet", "policies"), default="fleet",
+                   help="fleet: batched rules, 10,000 hosts; policies: one SwarmPolicy object per host (small fleets)")
+    s.add_argument("--hosts", type=int, default=1000)
     s.add_argument("--size", type=parse_size, default=parse_size("400GB"))
     s.add_argument("--chunk", type=parse_size, default=parse_size("64M"))
     s.add_argument("--rate", type=parse_rate, default=parse_rate("10Gbit"))
-    s.add_argument("--racks", type=int, default=sd.racks)
-    s.add_argument("--oversubscription", type=float, default=sd.oversubscription)
-    s.add_argument("--fail", type=float, default=sd.fail_fraction, help="fraction of hosts that die mid-run")
-    s.add_argument("--neighbors", type=int, default=sd.neighbors)
-    s.add_argument("--cross-rack-neighbors", type=int, default=sd.cross_rack_neighbors,
-                   help="of the neighbours, how many in other racks")
-    s.add_argument("--seeders", type=int, default=sd.seeders)
-    s.add_argument("--max-inflight", type=int, default=sd.max_inflight, help="peer downloads per host")
-    s.add_argument("--upload-slots", type=int, default=sd.upload_slots, help="concurrent uploads per host")
-    s.add_argument("--window", type=int, default=sd.window, help="chunks ranked per host")
-    s.add_argument("--rack-grace", type=float, default=sd.rack_grace_s, help="seconds before any host pulls across racks")
-    s.add_argument("--seed", type=int, default=sd.seed)
+    s.add_argument("--racks", type=int, default=20)
+    s.add_argument("--oversubscription", type=float, default=1.0, help="rack uplink = hosts x rate / this")
+    s.add_argument("--fail", type=float, default=0.05, help="fraction of hosts that die mid-run")
+    s.add_argument("--seeders", type=int, default=16)
+    s.add_argument("--seed", type=int, default=1)
+    # peerd's own settings: defaults are peerd's (PolicyConfig, PeerdConfig); names are theirs
+    pol = PolicyConfig()
+    for name in _SIM_POLICY_FLAGS:
+        s.add_argument("--" + name.replace("_", "-"), type=type(getattr(pol, name)), default=getattr(pol, name),
+                       help=f"PolicyConfig.{name} (default %(default)s)")
+    for name in _SIM_PEERD_FLAGS:
+        d = peerd_default(name)
+        s.add_argument("--" + name.replace("_", "-"), type=type(d), default=d, help=f"peerd's {name} (default %(default)s)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_sim)
 

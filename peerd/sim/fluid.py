@@ -40,3 +40,18 @@ def scale_to_caps(r: np.ndarray, links: list[tuple[np.ndarray, np.ndarray]]) -> 
         over = np.where(use > cap, cap / np.maximum(use, 1e-300), 1.0)
         f = np.minimum(f, over[idx])
     return r * f
+
+
+def rates_with_priority(src: np.ndarray, dst: np.ndarray, up_cap: np.ndarray, down_cap: np.ndarray,
+                        first: np.ndarray) -> np.ndarray:
+    """Fair shares where the ``first`` flows are served before the rest on their downloader's link:
+    a seeder's origin reads skip its download queue in peerd (the origin must never idle)."""
+    r = np.zeros(len(src))
+    if first.any():
+        r[first] = max_min_rates(src[first], dst[first], up_cap, down_cap)
+    rest = ~first
+    if rest.any():
+        left_down = down_cap - np.bincount(dst[first], r[first], minlength=len(down_cap))
+        left_up = up_cap - np.bincount(src[first], r[first], minlength=len(up_cap))
+        r[rest] = max_min_rates(src[rest], dst[rest], np.maximum(left_up, 0), np.maximum(left_down, 0))
+    return r
