@@ -61,7 +61,7 @@ class PolicyFleet:
 
     def run(self) -> dict:
         wall0 = time.monotonic()
-        cfg, N = self.cfg, self.N
+        cfg = self.cfg
         dt = cfg.chunk / cfg.rate / cfg.steps_per_chunk
         lower = cfg.lower_bound_s
         next_have, next_tick, step = cfg.have_interval, 1.0, 0
