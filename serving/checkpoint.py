@@ -31,8 +31,14 @@ def expected_logits(model: TinyTransformer, ids: list[list[int]]) -> list[list[f
 
 def write_checkpoint(root: Path, config: ModelConfig, seed: int, shard_bytes: int = 256 * 1024 * 1024,
                      version: str = "") -> Path:
+    return write_model(root, init_model(config, seed), config, shard_bytes, version)
+
+
+def write_model(root: Path, model: TinyTransformer, config: ModelConfig, shard_bytes: int = 256 * 1024 * 1024,
+                version: str = "") -> Path:
+    """This model's weights as sharded safetensors, and its answer to the smoke input."""
     root.mkdir(parents=True, exist_ok=True)
-    model = init_model(config, seed)
+    model = model.eval()
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     shards: list[dict] = [{}]
     size = 0

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import faulthandler
 import json
-import os
-import sys
 import statistics
 import tempfile
 import time
@@ -15,19 +13,13 @@ import torch.multiprocessing as mp
 
 from training.config import TrainConfig
 from training.data import Language
-from training.rank import run_rank
+from training.rank import leave, run_rank
 
 
 def _spawned_rank(rank: int, cfg_dict: dict, out_dir: str) -> None:
     faulthandler.enable()            # a native abort in a collective still names the Python line
     run_rank(rank, cfg_dict, out_dir)
-    # The rank's record and weights are on disk and the process group is gone. Leave without
-    # interpreter finalization: native objects (a DDP reducer still holding the gloo group, its worker
-    # threads) torn down in arbitrary order at exit were seen to abort a finished rank with
-    # "terminate called without an active exception", failing a run that had succeeded.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave()
 
 
 def launch(cfg: TrainConfig, out_dir: Path | None = None) -> dict:

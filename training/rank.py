@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -19,6 +21,7 @@ import torch.nn.functional as F
 
 from serving.model import init_model
 from training.balance import Balancer
+from training.checkpoint import Checkpointer, latest
 from training.comm import HOOKS, CommState, OuterSync, reduce_after_backward
 from training.config import TrainConfig
 from training.data import Language, Sampler
@@ -40,13 +43,41 @@ def lm_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
 
+@torch.no_grad()
+def held_out_loss(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> float:
+    """The loss of these weights on a fixed batch no step trains on: the same number for the same
+    final weights however the run got there (interruptions, recoveries, world size)."""
+    ids = Language(cfg.model.vocab, cfg.data_seed).samples(1 << 40, cfg.global_batch, cfg.seq_len).to(device)
+    return lm_loss(model, ids).item()
+
+
 def make_optimizer(cfg: TrainConfig, params) -> torch.optim.Optimizer:
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
-def run_rank(rank: int, cfg_dict: dict, out_dir: str) -> None:
+def leave() -> None:
+    """End a finished rank process. Its record and weights are on disk and the process group is gone;
+    leave without interpreter finalization: native objects (a DDP reducer still holding the gloo group,
+    its worker threads) torn down in arbitrary order at exit were seen to abort a finished rank with
+    "terminate called without an active exception", failing a run that had succeeded."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _write_progress(path: Path, progress: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(progress))
+    os.replace(tmp, path)
+
+
+def run_rank(rank: int, cfg_dict: dict, out_dir: str, durable: dict | None = None) -> None:
+    """``durable`` (a supervised run, training/supervised_rank.py): ``init_method`` for the process
+    group, ``collective_timeout_s``, ``checkpoints`` (a directory), ``every`` (steps between
+    checkpoints), ``synchronous`` (block on saves, for comparison) and ``progress`` (a JSON file this
+    rank rewrites after every step). The rank resumes from the newest complete checkpoint."""
     cfg = TrainConfig.from_dict(cfg_dict)
     world = cfg.world_size
     device = device_for(rank)
@@ -54,9 +85,12 @@ def run_rank(rank: int, cfg_dict: dict, out_dir: str) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     torch.manual_seed(cfg.seed)
     if world > 1:
-        # rendezvous through a file in the job's directory: no port to pick, nothing to collide with
+        # a local job meets through a file in its directory (no port to pick); a supervised one
+        # through the TCP address its workflow handed out, with a bound on any one collective
+        init = durable["init_method"] if durable else f"file://{Path(out_dir, 'rendezvous').resolve()}"
+        timeout = timedelta(seconds=durable.get("collective_timeout_s", 60)) if durable else None
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
-                                init_method=f"file://{Path(out_dir, 'rendezvous').resolve()}")
+                                init_method=init, **({"timeout": timeout} if timeout else {}))
     place = placement(cfg, rank)
     model = init_model(cfg.model, cfg.seed).train().to(device)     # the same initial weights on every rank
     state = CommState(cfg.comm, place.dp_size, cfg.topk_ratio, cfg.powersgd_rank)
@@ -70,8 +104,34 @@ def run_rank(rank: int, cfg_dict: dict, out_dir: str) -> None:
     balancer = Balancer(cfg.global_batch, place.dp_size) if cfg.rebalance and world > 1 else None
     sampler = Sampler(Language(cfg.model.vocab, cfg.data_seed), cfg.global_batch, cfg.seq_len)
     slowdown = cfg.slowdown(rank)
+    ckpt, start, stalls = None, 0, []
+    if durable:
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        def train_state() -> dict:
+            msd, osd = get_state_dict(pipe.module if pipe else model, opt)
+            return {"model": msd, "optim": osd, "sampler": sampler.state_dict(), "rng": torch.get_rng_state()}
+
+        ckpt = Checkpointer(Path(durable["checkpoints"]), rank, world)
+        found = latest(Path(durable["checkpoints"]))
+        if found:
+            snap = train_state()
+            ckpt.load(found.path, snap)
+            set_state_dict(pipe.module if pipe else model, opt, model_state_dict=snap["model"],
+                           optim_state_dict=snap["optim"])
+            sampler.load_state_dict(snap["sampler"])
+            torch.set_rng_state(snap["rng"])
+            start = ckpt.last_complete = sampler.next_step
     losses, sent, step_s, samples = [], [], [], []
-    for step in range(cfg.steps):
+
+    def report(step: int, loss: float | None, seconds: float | None) -> None:
+        _write_progress(Path(durable["progress"]), {
+            "step": step, "loss": loss, "step_s": seconds, "last_checkpoint": ckpt.last_complete,
+            "first_step": start, "save_stall_s": sum(stalls), "saves": len(stalls), "t": time.time(),
+            "pid": os.getpid()})
+    if durable:
+        report(start, None, None)                     # resumed (or started): the supervisor sees where
+    for step in range(start, cfg.steps):
         t0 = time.perf_counter()
         before = state.sent_bytes
         shares = balancer.shares() if balancer else sampler.shares(place.dp_size)
@@ -111,11 +171,22 @@ def run_rank(rank: int, cfg_dict: dict, out_dir: str) -> None:
         losses.append(loss)
         sent.append(state.sent_bytes - before)
         samples.append(mine)
+        if durable:
+            ckpt.poll()
+            if (step + 1) % durable["every"] == 0 and step + 1 < cfg.steps:
+                stalls.append(ckpt.save(step + 1, train_state(), asynchronous=not durable.get("synchronous")))
+            report(step + 1, loss, step_s[-1])
+    eval_loss = None
+    if durable:
+        ckpt.save(cfg.steps, train_state(), asynchronous=False)     # the final state, complete before we report
+        if pipe is None:
+            eval_loss = held_out_loss(core, cfg, device)
     # DDP hooks count every byte of gradient traffic; FSDP/TP/PP collectives are torch's own
     counted = cfg.layout == "ddp" or world == 1
     record = {"rank": rank, "device": str(device), "losses": losses if place.reports_loss else None,
               "sent_bytes": sent if counted else None, "step_s": step_s, "samples": samples,
-              "rates": balancer.rates if balancer else None, "next_step": sampler.next_step}
+              "rates": balancer.rates if balancer else None, "next_step": sampler.next_step,
+              "first_step": start, "save_stall_s": stalls, "held_out_loss": eval_loss}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(record))
     full = pipe.full_state_dict() if pipe else full_state_dict(model, cfg)   # a collective: every rank calls it
     if rank == 0:

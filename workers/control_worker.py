@@ -1,4 +1,4 @@
-"""The control worker: rollout workflows and control-plane activities on ``weightcast-control``."""
+"""The control worker: rollout and training workflows and control-plane activities on ``weightcast-control``."""
 from __future__ import annotations
 
 import argparse
@@ -15,9 +15,10 @@ from workflows.host_batch import HostBatchWorkflow
 from workflows.preflight import PreflightWorkflow
 from workflows.rollback import RollbackWorkflow
 from workflows.rollout import RolloutWorkflow
+from workflows.training import TrainingWorkflow
 from workflows.types import CONTROL_QUEUE
 
-WORKFLOWS = [RolloutWorkflow, HostBatchWorkflow, PreflightWorkflow, RollbackWorkflow]
+WORKFLOWS = [RolloutWorkflow, HostBatchWorkflow, PreflightWorkflow, RollbackWorkflow, TrainingWorkflow]
 
 
 def build(client: Client, trusted_keys: list[Path], s3_credentials: tuple[str, str] | None = None,

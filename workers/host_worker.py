@@ -1,4 +1,4 @@
-"""The host worker: activities only, on ``host-<id>``, driving this host's peerd and model server."""
+"""The host worker: activities only, on ``host-<id>``, driving this host's peerd, model server and training ranks."""
 from __future__ import annotations
 
 import argparse
@@ -14,6 +14,7 @@ from temporalio.client import Client
 from temporalio.worker import Worker
 
 from activities.host import HostActivities
+from activities.training import TrainingActivities
 from workflows.types import host_queue
 
 
@@ -25,11 +26,14 @@ HEARTBEAT_EVERY_S = 1.0
 
 
 def build(client: Client, host_id: str, peerd_addr: str, token: str, store: Path, model_server: str,
-          admin_token: str = "", heartbeat_every_s: float = HEARTBEAT_EVERY_S) -> Worker:
+          admin_token: str = "", heartbeat_every_s: float = HEARTBEAT_EVERY_S, train_dir: Path | None = None,
+          advertise_host: str = "127.0.0.1") -> Worker:
     acts = HostActivities(host_id, peerd_addr, token, store, model_server, admin_token)
+    train = TrainingActivities(host_id, train_dir or store.parent / "train", advertise_host)
     every = timedelta(seconds=heartbeat_every_s)
     return Worker(client, task_queue=host_queue(host_id),
-                  activities=[acts.distribute, acts.load_version, acts.discard_version],
+                  activities=[acts.distribute, acts.load_version, acts.discard_version,
+                              train.rendezvous, train.train_rank, train.export_weights],
                   max_concurrent_activities=8, max_heartbeat_throttle_interval=every,
                   default_heartbeat_throttle_interval=every)
 
@@ -48,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--heartbeat-every", type=float, default=HEARTBEAT_EVERY_S,
                     help=f"seconds between heartbeats reaching Temporal: status lag and pause/abort latency "
                          f"(default {HEARTBEAT_EVERY_S})")
+    ap.add_argument("--train-dir", type=Path, help="where training ranks keep their logs and progress "
+                                                   "(default: next to --store, train/)")
+    ap.add_argument("--advertise-host", default="127.0.0.1",
+                    help="this host's address for other ranks (rank 0's rendezvous store)")
     ap.add_argument("--ready-file", type=Path, help="write {id, task_queue} JSON here once polling")
     return ap
 
@@ -60,7 +68,8 @@ def main(argv=None) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         client = await Client.connect(a.temporal, namespace=a.namespace)
-        async with build(client, a.id, a.peerd, a.token, a.store, a.model_server, a.admin_token, a.heartbeat_every):
+        async with build(client, a.id, a.peerd, a.token, a.store, a.model_server, a.admin_token, a.heartbeat_every,
+                         a.train_dir, a.advertise_host):
             if a.ready_file:
                 a.ready_file.write_text(json.dumps({"id": a.id, "task_queue": host_queue(a.id), "pid": os.getpid()}))
             await stop.wait()   # SIGTERM/SIGINT: stop polling, cancel running activities (they resume on retry)

@@ -1,0 +1,142 @@
+"""Durable training through Temporal: the real dev server, the control worker, host workers as real
+processes and rank processes they supervise. A rank killed mid-run, and a host worker killed mid-run
+(its rank migrates to a spare), both recover from the newest complete checkpoint and end with the same
+loss as an uninterrupted run; the finished weights are exported for the model server."""
+import asyncio
+import json
+import os
+import signal
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from temporalio.client import WorkflowFailureError
+from temporalio.testing import WorkflowEnvironment
+
+from serving.checkpoint import SMOKE
+from serving.model import init_model
+from training.config import TrainConfig
+from training.launch import launch
+from training.rank import held_out_loss
+from weightcast.stack.module_proc import ModuleProc
+from weightcast.stack.temporal import SEARCH_ATTRIBUTES, temporal_binary
+from workers import control_worker
+from workflows.training import TrainingWorkflow
+from workflows.training_types import TrainingInput
+from workflows.types import CONTROL_QUEUE
+
+pytestmark = pytest.mark.asyncio
+CONFIG = ["model.vocab=128", "model.d_model=32", "model.n_heads=2", "model.d_ff=64", "model.max_seq=16",
+          "seq_len=16", "global_batch=8", "lr=3e-2", "layout=ddp", "world_size=2", "steps=40"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The held-out loss of the same run's final weights, trained in one go by `weightcast train run`."""
+    cfg = TrainConfig.load(None, CONFIG)
+    out = tmp_path_factory.mktemp("plain") / "run"
+    launch(cfg, out)
+    model = init_model(cfg.model, cfg.seed)
+    model.load_state_dict(torch.load(out / "model.pt"))
+    return held_out_loss(model, cfg, torch.device("cpu"))
+
+
+async def hosts(env, root: Path, ids) -> dict[str, ModuleProc]:
+    target = env.client.service_client.config.target_host
+    procs = {i: ModuleProc(f"host-worker {i}", "workers.host_worker", root / i,
+                           ["--id", i, "--temporal", target, "--store", str(root / i / "store"),
+                            "--train-dir", str(root / i / "train"), "--heartbeat-every", "0.5"]).launch()
+             for i in ids}
+    for p in procs.values():
+        await asyncio.to_thread(p.wait_ready)
+    return procs
+
+
+def progress(root: Path, host: str, rank: int) -> dict:
+    """The newest attempt's progress of a rank on a host (what its activity heartbeats)."""
+    for f in sorted((root / host / "train").glob(f"*/attempt-*/rank{rank}/progress.json"), reverse=True):
+        try:
+            return json.loads(f.read_text())
+        except ValueError:
+            pass
+    return {}
+
+
+async def until(pred, timeout=60.0):
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not pred():
+        assert loop.time() < deadline, "timed out"
+        await asyncio.sleep(0.05)
+
+
+async def run_training(tmp_path, keys, fault):
+    async with await WorkflowEnvironment.start_local(dev_server_existing_path=temporal_binary(),
+                                                     search_attributes=SEARCH_ATTRIBUTES) as env:
+        procs = await hosts(env, tmp_path, ["t0", "t1", "t2"])
+        try:
+            run = uuid.uuid4().hex[:6]
+            inp = TrainingInput(run=run, config=TrainConfig.load(None, CONFIG).to_dict(), hosts=["t0", "t1", "t2"],
+                                checkpoint_dir=str(tmp_path / "shared" / "ckpt"), checkpoint_every=5,
+                                export_dir=str(tmp_path / "export"), heartbeat_timeout_s=4.0,
+                                collective_timeout_s=20.0)
+            async with control_worker.build(env.client, [keys["pub_path"]]):
+                handle = await env.client.start_workflow(TrainingWorkflow.run, inp, id=f"train-{run}",
+                                                         task_queue=CONTROL_QUEUE)
+                await fault(procs)
+                result = await asyncio.wait_for(handle.result(), 180)
+                st = await handle.query(TrainingWorkflow.status)
+            return result, st
+        finally:
+            for p in procs.values():
+                p.stop()
+
+
+async def test_a_killed_rank_restarts_from_the_newest_checkpoint_with_the_same_loss(tmp_path, keys, uninterrupted):
+    async def kill_rank(procs):
+        await until(lambda: progress(tmp_path, "t1", 1).get("step", 0) >= 17)
+        os.kill(progress(tmp_path, "t1", 1)["pid"], signal.SIGKILL)
+
+    result, st = await run_training(tmp_path, keys, kill_rank)
+    assert len(result.recoveries) == 1
+    rec = result.recoveries[0]
+    assert rec.rank == 1 and rec.host == "t1" and rec.action == "restart on t1" and "exited with -9" in rec.reason
+    assert st.phase == "done" and st.ranks == ["t0", "t1"] and st.attempt == 1
+    # resumed from a complete checkpoint (15, or 10 if 15's save was still in flight), not from step 0
+    resumed = progress(tmp_path, "t0", 0)["first_step"]
+    assert resumed in (10, 15)
+    # the data order is a function of the step: the loss is the uninterrupted run's (fp32 reduction order)
+    assert result.steps == 40
+    assert result.final_loss == pytest.approx(uninterrupted, rel=1e-5, abs=1e-6)
+    smoke = json.loads((tmp_path / "export" / SMOKE).read_text())
+    assert smoke["version"] == result.run and len(smoke["expected"]) == 2
+
+
+async def test_a_silent_host_loses_its_rank_to_a_spare(tmp_path, keys, uninterrupted):
+    async def kill_host_worker(procs):
+        await until(lambda: progress(tmp_path, "t1", 1).get("step", 0) >= 12)
+        procs["t1"].proc.kill()                 # the host worker: its rank's heartbeats stop
+
+    result, st = await run_training(tmp_path, keys, kill_host_worker)
+    assert [r.action for r in result.recoveries][:1] == ["migrate to t2"]
+    assert "heartbeat" in result.recoveries[0].reason
+    assert st.ranks == ["t0", "t2"] and st.spares == []
+    # the orphaned rank kept training while its host was silent; the new attempt resumed on the spare
+    # from the newest complete checkpoint
+    moved = progress(tmp_path, "t2", 1)
+    assert moved["step"] == 40 and moved["first_step"] >= 15
+    assert result.final_loss == pytest.approx(uninterrupted, rel=1e-5, abs=1e-6)
+
+
+async def test_a_config_that_cannot_be_placed_is_refused_before_anything_starts(tmp_path, keys):
+    async with await WorkflowEnvironment.start_local(dev_server_existing_path=temporal_binary(),
+                                                     search_attributes=SEARCH_ATTRIBUTES) as env:
+        inp = TrainingInput(run="x", config=TrainConfig.load(None, [*CONFIG, "world_size=4"]).to_dict(),
+                            hosts=["t0", "t1"], checkpoint_dir=str(tmp_path / "ckpt"))
+        async with control_worker.build(env.client, [keys["pub_path"]]):
+            handle = await env.client.start_workflow(TrainingWorkflow.run, inp, id="train-x", task_queue=CONTROL_QUEUE)
+            with pytest.raises(WorkflowFailureError) as e:
+                await handle.result()
+    assert "needs 4 ranks but only 2 hosts" in str(e.value.cause)
+    assert not (tmp_path / "ckpt").exists()

@@ -1,0 +1,97 @@
+"""TrainingWorkflow: one durable training run (id ``train-<run>``).
+
+Phases (the ``status`` query): placing → running → (recovering → running)* → exporting → done. The
+per-step loop never goes through Temporal: each rank is a process that a ``train_rank`` activity on
+its host's queue starts and supervises, heartbeating progress. When any rank fails — its process dies
+(``RankFailed``) or its host goes silent (heartbeat timeout) — the workflow cancels the other ranks,
+records a ``Recovery`` and starts every rank again from the newest complete checkpoint: on the same
+host, or, for a host that went silent, on a spare. Every recovery is in the history with its reason.
+"""
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError
+
+from workflows.types import host_queue
+
+with workflow.unsafe.imports_passed_through():
+    from workflows.training_types import (ExportInput, Recovery, TrainingInput, TrainingResult, TrainingStatus,
+                                          TrainRankInput, TrainRankResult)
+
+ONCE = RetryPolicy(maximum_attempts=1)      # a failed rank is the workflow's decision, not a retry's
+
+
+@workflow.defn(name="TrainingWorkflow")
+class TrainingWorkflow:
+    def __init__(self) -> None:
+        self._status: TrainingStatus | None = None
+
+    @workflow.query
+    def status(self) -> TrainingStatus | None:
+        return self._status
+
+    @workflow.run
+    async def run(self, inp: TrainingInput) -> TrainingResult:
+        world = int(inp.config.get("world_size", 1))
+        if len(inp.hosts) < world:
+            raise ApplicationError(f"the config needs {world} ranks but only {len(inp.hosts)} hosts were given: "
+                                   f"add hosts or lower world_size", type="CannotPlace", non_retryable=True)
+        st = self._status = TrainingStatus(inp.run, "placing", 0, list(inp.hosts[:world]), list(inp.hosts[world:]))
+        while True:
+            st.phase = "running"
+            results = await self._attempt(inp, st)
+            if results is not None:
+                break
+            if len(st.recoveries) > inp.max_recoveries:
+                st.phase = "failed"
+                raise ApplicationError(f"gave up after {inp.max_recoveries} recoveries; last: "
+                                       f"{st.recoveries[-1].reason}", type="TooManyRecoveries", non_retryable=True)
+            st.attempt += 1
+        st.final_loss = next((r.held_out_loss for r in results if r.held_out_loss is not None), None)
+        if inp.export_dir:
+            st.phase = "exporting"
+            st.export_dir = await workflow.execute_activity(
+                "export_weights", ExportInput(inp.run, inp.config, inp.checkpoint_dir, inp.export_dir, inp.run),
+                task_queue=host_queue(st.ranks[0]), start_to_close_timeout=timedelta(minutes=30),
+                retry_policy=RetryPolicy(maximum_attempts=3))
+        st.phase = "done"
+        return TrainingResult(inp.run, results[0].steps, st.final_loss, st.recoveries, st.export_dir)
+
+    async def _attempt(self, inp: TrainingInput, st: TrainingStatus) -> list[TrainRankResult] | None:
+        """One attempt of every rank; None after recording how to recover from its failure."""
+        init = await workflow.execute_activity("rendezvous", inp.run, task_queue=host_queue(st.ranks[0]),
+                                               start_to_close_timeout=timedelta(seconds=30),
+                                               retry_policy=RetryPolicy(maximum_attempts=5))
+        handles = [workflow.start_activity(
+            "train_rank", TrainRankInput(inp.run, r, inp.config, init, st.attempt, inp.checkpoint_dir,
+                                         inp.checkpoint_every, inp.collective_timeout_s),
+            result_type=TrainRankResult, task_queue=host_queue(host),
+            start_to_close_timeout=timedelta(seconds=inp.run_timeout_s),
+            heartbeat_timeout=timedelta(seconds=inp.heartbeat_timeout_s), retry_policy=ONCE)
+            for r, host in enumerate(st.ranks)]
+        try:
+            return list(await asyncio.gather(*handles))
+        except ActivityError:
+            pass
+        # the first rank to fail is the cause; the others fail because it did (or are still running)
+        failed = next(i for i, h in enumerate(handles) if h.done() and h.exception() is not None)
+        for h in handles:
+            h.cancel()
+        await asyncio.gather(*handles, return_exceptions=True)
+        err = handles[failed].exception()
+        host = st.ranks[failed]
+        silent = isinstance(err.__cause__, TimeoutError)
+        if silent and st.spares:
+            st.ranks[failed] = st.spares.pop(0)
+            action = f"migrate to {st.ranks[failed]}"
+        else:
+            action = f"restart on {host}"
+        reason = "host silent (heartbeat timeout)" if silent else str(err.__cause__ or err)
+        st.recoveries.append(Recovery(st.attempt, failed, host, reason, action, workflow.now().isoformat()))
+        st.phase = "recovering"
+        workflow.logger.warning("training rank failed: %s; %s", reason, action)
+        return None

@@ -1,0 +1,81 @@
+"""Inputs, results and status of a durable training run (TrainingWorkflow): plain dataclasses."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TrainingInput:
+    run: str                            # the workflow id is train-<run>
+    config: dict                        # TrainConfig as a dict (checked by the CLI before starting)
+    hosts: list[str]                    # host ids (queues host-<id>); the first world_size run ranks, the rest are spares
+    checkpoint_dir: str                 # where every rank reaches the same checkpoints (a shared volume)
+    checkpoint_every: int = 10          # steps between asynchronous checkpoints
+    export_dir: str = ""                # where the finished weights are written (safetensors + smoke); empty: not exported
+    max_recoveries: int = 5
+    heartbeat_timeout_s: float = 10.0   # a rank's host silent this long is lost: its rank migrates to a spare
+    collective_timeout_s: float = 60.0  # one collective waiting this long fails the step (a hung peer)
+    run_timeout_s: float = 24 * 3600.0
+
+
+@dataclass
+class TrainRankInput:
+    run: str
+    rank: int
+    config: dict
+    init_method: str
+    attempt: int
+    checkpoint_dir: str
+    checkpoint_every: int
+    collective_timeout_s: float
+
+
+@dataclass
+class TrainRankResult:
+    rank: int
+    steps: int
+    first_step: int                     # where this attempt resumed (the newest complete checkpoint)
+    held_out_loss: float | None         # the final weights on a batch no step trains on (same for any path)
+    save_stall_s: list[float]
+
+
+@dataclass
+class ExportInput:
+    run: str
+    config: dict
+    checkpoint_dir: str
+    export_dir: str
+    version: str
+
+
+@dataclass
+class Recovery:
+    attempt: int                        # the attempt that failed
+    rank: int
+    host: str
+    reason: str
+    action: str                         # "restart on <host>" | "migrate to <host>"
+    at: str                             # workflow time, ISO
+
+
+@dataclass
+class TrainingStatus:
+    run: str
+    phase: str                          # placing | running | recovering | exporting | done | failed | aborted
+    attempt: int
+    ranks: list[str]                    # host of each rank
+    spares: list[str]
+    recoveries: list[Recovery] = field(default_factory=list)
+    resumed_from: list[int] = field(default_factory=list)   # first step of each attempt
+    final_loss: float | None = None     # held-out loss of the final weights
+    export_dir: str = ""
+    detail: str = ""
+
+
+@dataclass
+class TrainingResult:
+    run: str
+    steps: int
+    final_loss: float | None
+    recoveries: list[Recovery]
+    export_dir: str
