@@ -18,7 +18,8 @@ from pathlib import Path
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from workflows.training_types import ExportInput, TrainRankInput, TrainRankResult
+from training.control import Control, write
+from workflows.training_types import ExportInput, RunControl, TrainRankInput, TrainRankResult
 
 
 class TrainingActivities:
@@ -40,7 +41,8 @@ class TrainingActivities:
         spec = d / "spec.json"
         spec.write_text(json.dumps({"rank": inp.rank, "config": inp.config, "out_dir": str(d), "durable": {
             "init_method": inp.init_method, "checkpoints": inp.checkpoint_dir, "every": inp.checkpoint_every,
-            "progress": str(progress), "collective_timeout_s": inp.collective_timeout_s}}))
+            "progress": str(progress), "collective_timeout_s": inp.collective_timeout_s,
+            "control": str(self._control(inp.run))}}))
         with open(d / "rank.log", "ab") as log:
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "training.supervised_rank", str(spec), stdout=log, stderr=log,
@@ -61,7 +63,16 @@ class TrainingActivities:
             raise ApplicationError(f"rank {inp.rank} on {self.host_id} exited with {proc.returncode}: "
                                    + " | ".join(tail), type="RankFailed", non_retryable=True)
         rec = json.loads((d / f"rank{inp.rank}.json").read_text())
-        return TrainRankResult(inp.rank, rec["next_step"], rec["first_step"], rec["held_out_loss"], rec["save_stall_s"])
+        return TrainRankResult(inp.rank, rec["next_step"], rec["first_step"], rec["held_out_loss"], rec["save_stall_s"],
+                               rec["paused"])
+
+    @activity.defn(name="set_run_control")
+    async def set_run_control(self, inp: RunControl) -> None:
+        """Pause / checkpoint-now for the run's ranks: rank 0 on this host reads it after every step."""
+        write(self._control(inp.run), Control(inp.pause, inp.checkpoint_seq))
+
+    def _control(self, run: str) -> Path:
+        return self.work / run / "control.json"
 
     @activity.defn(name="export_weights")
     async def export_weights(self, inp: ExportInput) -> str:

@@ -140,3 +140,50 @@ async def test_a_config_that_cannot_be_placed_is_refused_before_anything_starts(
                 await handle.result()
     assert "needs 4 ranks but only 2 hosts" in str(e.value.cause)
     assert not (tmp_path / "ckpt").exists()
+
+
+async def test_pause_checkpoint_now_resume_and_abort(tmp_path, keys):
+    async with await WorkflowEnvironment.start_local(dev_server_existing_path=temporal_binary(),
+                                                     search_attributes=SEARCH_ATTRIBUTES) as env:
+        procs = await hosts(env, tmp_path, ["t0", "t1"])
+        try:
+            cfg = TrainConfig.load(None, [*CONFIG, "steps=400"]).to_dict()
+            ckpt = tmp_path / "shared" / "ckpt"
+            async with control_worker.build(env.client, [keys["pub_path"]]):
+                h = await env.client.start_workflow(TrainingWorkflow.run, TrainingInput(
+                    run="ctl", config=cfg, hosts=["t0", "t1"], checkpoint_dir=str(ckpt), checkpoint_every=1000),
+                    id="train-ctl", task_queue=CONTROL_QUEUE)
+                await until(lambda: progress(tmp_path, "t0", 0).get("step", 0) >= 5)
+                # checkpoint now: a complete checkpoint appears although none is due for 1,000 steps
+                await h.execute_update(TrainingWorkflow.checkpoint_now, "test: before a risky change")
+                await until(lambda: any((p / "complete.json").exists() for p in ckpt.glob("step-*")))
+                # pause: every rank stops at one step boundary with that step checkpointed
+                await h.execute_update(TrainingWorkflow.pause, "test: maintenance")
+                for _ in range(600):
+                    st = await h.query(TrainingWorkflow.status)
+                    if st.phase == "paused":
+                        break
+                    await asyncio.sleep(0.05)
+                assert st.phase == "paused" and st.recoveries == []
+                stopped = progress(tmp_path, "t0", 0)["step"]
+                assert 5 < stopped < 400
+                assert (ckpt / f"step-{stopped:08d}" / "complete.json").exists()
+                await asyncio.sleep(1.0)
+                assert progress(tmp_path, "t0", 0)["step"] == stopped          # nothing runs while paused
+                await h.execute_update(TrainingWorkflow.resume, "test: done")
+                await until(lambda: progress(tmp_path, "t0", 0).get("first_step") == stopped
+                            and progress(tmp_path, "t0", 0).get("step", 0) > stopped + 3)
+                # abort: the ranks are stopped and the workflow ends, saying why
+                await h.execute_update(TrainingWorkflow.abort, "test: wrong data")
+                with pytest.raises(WorkflowFailureError) as e:
+                    await h.result()
+                assert "aborted: test: wrong data" in str(e.value.cause)
+                st = await h.query(TrainingWorkflow.status)
+                assert st.phase == "aborted" and st.recoveries == []
+            await asyncio.sleep(1.0)
+            last = progress(tmp_path, "t0", 0)["step"]
+            await asyncio.sleep(1.0)
+            assert progress(tmp_path, "t0", 0)["step"] == last < 400              # the rank processes are gone
+        finally:
+            for p in procs.values():
+                p.stop()

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from serving.model import init_model
 from training.balance import Balancer
 from training.checkpoint import Checkpointer, latest
+from training.control import agree
 from training.comm import HOOKS, CommState, OuterSync, reduce_after_backward
 from training.config import TrainConfig
 from training.data import Language, Sampler
@@ -129,8 +130,14 @@ def run_rank(rank: int, cfg_dict: dict, out_dir: str, durable: dict | None = Non
             "step": step, "loss": loss, "step_s": seconds, "last_checkpoint": ckpt.last_complete,
             "first_step": start, "save_stall_s": sum(stalls), "saves": len(stalls), "t": time.time(),
             "pid": os.getpid()})
+    paused, seen = False, 0
     if durable:
         report(start, None, None)                     # resumed (or started): the supervisor sees where
+    # operator requests travel on their own group: the checkpoint group is busy in the background save's
+    # thread, and the training group may be NCCL (the request is a CPU tensor)
+    ctl_group = dist.new_group(backend="gloo") if durable and durable.get("control") and world > 1 else None
+    if durable and durable.get("control"):
+        seen = agree(Path(durable["control"]), rank, ctl_group).checkpoint_seq   # requests already served
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()
         before = state.sent_bytes
@@ -173,20 +180,28 @@ def run_rank(rank: int, cfg_dict: dict, out_dir: str, durable: dict | None = Non
         samples.append(mine)
         if durable:
             ckpt.poll()
-            if (step + 1) % durable["every"] == 0 and step + 1 < cfg.steps:
+            ctl = agree(Path(durable["control"]), rank, ctl_group) if durable.get("control") else None
+            due = (step + 1) % durable["every"] == 0
+            if ctl and ctl.checkpoint_seq > seen:          # checkpoint-now from the operator
+                seen, due = ctl.checkpoint_seq, True
+            if due and step + 1 < cfg.steps and not (ctl and ctl.pause):
                 stalls.append(ckpt.save(step + 1, train_state(), asynchronous=not durable.get("synchronous")))
             report(step + 1, loss, step_s[-1])
+            if ctl and ctl.pause and step + 1 < cfg.steps:
+                paused = True
+                break
     eval_loss = None
     if durable:
-        ckpt.save(cfg.steps, train_state(), asynchronous=False)     # the final state, complete before we report
-        if pipe is None:
+        # the final (or paused-at) state, complete before the process reports success
+        ckpt.save(sampler.next_step, train_state(), asynchronous=False)
+        if pipe is None and not paused:
             eval_loss = held_out_loss(core, cfg, device)
     # DDP hooks count every byte of gradient traffic; FSDP/TP/PP collectives are torch's own
     counted = cfg.layout == "ddp" or world == 1
     record = {"rank": rank, "device": str(device), "losses": losses if place.reports_loss else None,
               "sent_bytes": sent if counted else None, "step_s": step_s, "samples": samples,
               "rates": balancer.rates if balancer else None, "next_step": sampler.next_step,
-              "first_step": start, "save_stall_s": stalls, "held_out_loss": eval_loss}
+              "first_step": start, "save_stall_s": stalls, "held_out_loss": eval_loss, "paused": paused}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(record))
     full = pipe.full_state_dict() if pipe else full_state_dict(model, cfg)   # a collective: every rank calls it
     if rank == 0:

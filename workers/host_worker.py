@@ -33,7 +33,7 @@ def build(client: Client, host_id: str, peerd_addr: str, token: str, store: Path
     every = timedelta(seconds=heartbeat_every_s)
     return Worker(client, task_queue=host_queue(host_id),
                   activities=[acts.distribute, acts.load_version, acts.discard_version,
-                              train.rendezvous, train.train_rank, train.export_weights],
+                              train.rendezvous, train.train_rank, train.set_run_control, train.export_weights],
                   max_concurrent_activities=8, max_heartbeat_throttle_interval=every,
                   default_heartbeat_throttle_interval=every)
 

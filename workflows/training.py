@@ -19,8 +19,8 @@ from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError
 from workflows.types import host_queue
 
 with workflow.unsafe.imports_passed_through():
-    from workflows.training_types import (ExportInput, Recovery, TrainingInput, TrainingResult, TrainingStatus,
-                                          TrainRankInput, TrainRankResult)
+    from workflows.training_types import (ExportInput, Recovery, RunControl, TrainingInput, TrainingResult,
+                                          TrainingStatus, TrainRankInput, TrainRankResult)
 
 ONCE = RetryPolicy(maximum_attempts=1)      # a failed rank is the workflow's decision, not a retry's
 
@@ -29,10 +29,52 @@ ONCE = RetryPolicy(maximum_attempts=1)      # a failed rank is the workflow's de
 class TrainingWorkflow:
     def __init__(self) -> None:
         self._status: TrainingStatus | None = None
+        self._run = ""
+        self._pause = False
+        self._abort: str | None = None
+        self._checkpoint_seq = 0
+        self._handles: list = []
 
     @workflow.query
     def status(self) -> TrainingStatus | None:
         return self._status
+
+    # ---------------------------------------------------------------- operator controls (updates: the
+    # caller learns they were applied; the reason, with who asked, is in the history)
+    @workflow.update
+    async def pause(self, reason: str) -> str:
+        """Stop every rank at the next step boundary, after a checkpoint of that step."""
+        self._pause = True
+        await self._tell_ranks()
+        return "pausing at the next step boundary"
+
+    @workflow.update
+    async def resume(self, reason: str) -> str:
+        self._pause = False     # before the ranks start again, the file says so too
+        await self._tell_ranks()
+        return "resumed"
+
+    @workflow.update
+    async def checkpoint_now(self, reason: str) -> str:
+        self._checkpoint_seq += 1
+        await self._tell_ranks()
+        return f"checkpoint requested (#{self._checkpoint_seq})"
+
+    @workflow.update
+    async def abort(self, reason: str) -> str:
+        self._abort = reason or "aborted"
+        for h in self._handles:
+            h.cancel()
+        return "aborting"
+
+    async def _tell_ranks(self) -> None:
+        st = self._status
+        if st is None or not st.ranks:
+            return
+        await workflow.execute_activity(
+            "set_run_control", RunControl(self._run, self._pause, self._checkpoint_seq),
+            task_queue=host_queue(st.ranks[0]), start_to_close_timeout=timedelta(seconds=30),
+            retry_policy=RetryPolicy(maximum_attempts=5))
 
     @workflow.run
     async def run(self, inp: TrainingInput) -> TrainingResult:
@@ -40,12 +82,25 @@ class TrainingWorkflow:
         if len(inp.hosts) < world:
             raise ApplicationError(f"the config needs {world} ranks but only {len(inp.hosts)} hosts were given: "
                                    f"add hosts or lower world_size", type="CannotPlace", non_retryable=True)
+        self._run = inp.run
         st = self._status = TrainingStatus(inp.run, "placing", 0, list(inp.hosts[:world]), list(inp.hosts[world:]))
+        total = int(inp.config.get("steps", 0))
         while True:
+            if self._pause:
+                st.phase = "paused"
+                await workflow.wait_condition(lambda: not self._pause or self._abort is not None)
+            if self._abort is not None:
+                st.phase = "aborted"
+                raise ApplicationError(f"aborted: {self._abort}", type="Aborted", non_retryable=True)
             st.phase = "running"
             results = await self._attempt(inp, st)
-            if results is not None:
+            if self._abort is not None:
+                continue
+            if results is not None and results[0].steps >= total:
                 break
+            if results is not None:             # paused at a step boundary: the next attempt resumes there
+                st.attempt += 1
+                continue
             if len(st.recoveries) > inp.max_recoveries:
                 st.phase = "failed"
                 raise ApplicationError(f"gave up after {inp.max_recoveries} recoveries; last: "
@@ -66,7 +121,7 @@ class TrainingWorkflow:
         init = await workflow.execute_activity("rendezvous", inp.run, task_queue=host_queue(st.ranks[0]),
                                                start_to_close_timeout=timedelta(seconds=30),
                                                retry_policy=RetryPolicy(maximum_attempts=5))
-        handles = [workflow.start_activity(
+        handles = self._handles = [workflow.start_activity(
             "train_rank", TrainRankInput(inp.run, r, inp.config, init, st.attempt, inp.checkpoint_dir,
                                          inp.checkpoint_every, inp.collective_timeout_s),
             result_type=TrainRankResult, task_queue=host_queue(host),
@@ -76,7 +131,9 @@ class TrainingWorkflow:
         try:
             return list(await asyncio.gather(*handles))
         except ActivityError:
-            pass
+            if self._abort is not None:           # our own cancellation: no recovery to record
+                await asyncio.gather(*handles, return_exceptions=True)
+                return None
         # the first rank to fail is the cause; the others fail because it did (or are still running)
         failed = next(i for i, h in enumerate(handles) if h.done() and h.exception() is not None)
         for h in handles:

@@ -37,6 +37,14 @@ class TrainRankResult:
     first_step: int                     # where this attempt resumed (the newest complete checkpoint)
     held_out_loss: float | None         # the final weights on a batch no step trains on (same for any path)
     save_stall_s: list[float]
+    paused: bool = False                # stopped at a step boundary on request, its state checkpointed
+
+
+@dataclass
+class RunControl:
+    run: str
+    pause: bool
+    checkpoint_seq: int
 
 
 @dataclass
@@ -61,7 +69,7 @@ class Recovery:
 @dataclass
 class TrainingStatus:
     run: str
-    phase: str                          # placing | running | recovering | exporting | done | failed | aborted
+    phase: str                          # placing | running | recovering | paused | exporting | done | failed | aborted
     attempt: int
     ranks: list[str]                    # host of each rank
     spares: list[str]

@@ -1,0 +1,45 @@
+"""Operator requests that reach running ranks at a step boundary: pause, and checkpoint now.
+
+The workflow writes them to a small JSON file on rank 0's host (``set_run_control``); rank 0 reads it
+after every step and broadcasts it, so every rank acts at the same step (a checkpoint is a collective).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Control:
+    pause: bool = False
+    checkpoint_seq: int = 0           # bumped by every checkpoint-now request
+
+
+def read(path: Path) -> Control:
+    try:
+        d = json.loads(path.read_text())
+    except FileNotFoundError:
+        return Control()
+    return Control(bool(d.get("pause", False)), int(d.get("checkpoint_seq", 0)))
+
+
+def write(path: Path, control: Control) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(asdict(control)))
+    os.replace(tmp, path)
+
+
+def agree(path: Path, rank: int, group) -> Control:
+    """Rank 0's reading of the file, on every rank."""
+    mine = read(path) if rank == 0 else Control()
+    if group is None:
+        return mine
+    t = torch.tensor([int(mine.pause), mine.checkpoint_seq], dtype=torch.int64)
+    dist.broadcast(t, 0, group=group)
+    return Control(bool(t[0]), int(t[1]))
