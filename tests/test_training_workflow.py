@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+import sys
 import uuid
 from pathlib import Path
 
@@ -184,6 +185,41 @@ async def test_pause_checkpoint_now_resume_and_abort(tmp_path, keys):
             last = progress(tmp_path, "t0", 0)["step"]
             await asyncio.sleep(1.0)
             assert progress(tmp_path, "t0", 0)["step"] == last < 400              # the rank processes are gone
+        finally:
+            for p in procs.values():
+                p.stop()
+
+
+async def cli(*args) -> tuple[int, str]:
+    p = await asyncio.create_subprocess_exec(sys.executable, "-m", "weightcast.cli", *args,
+                                             stdout=asyncio.subprocess.PIPE)
+    out, _ = await p.communicate()
+    return p.returncode, out.decode()
+
+
+async def test_the_cli_starts_watches_and_reports_a_run(tmp_path, keys, capsys):
+    from weightcast.cli import main
+    # refused before connecting anywhere (no Temporal at this address)
+    assert main(["train", "start", "--run", "r", "--hosts", "t0", "--checkpoint-dir", str(tmp_path / "c"),
+                 "--temporal", "127.0.0.1:1", *[f"--set={c}" for c in CONFIG]]) == 2
+    assert "needs 2 ranks but only 1 hosts" in capsys.readouterr().err
+    async with await WorkflowEnvironment.start_local(dev_server_existing_path=temporal_binary(),
+                                                     search_attributes=SEARCH_ATTRIBUTES) as env:
+        procs = await hosts(env, tmp_path, ["t0", "t1"])
+        target = env.client.service_client.config.target_host
+        try:
+            async with control_worker.build(env.client, [keys["pub_path"]]):
+                rc, out = await cli("train", "start", "--run", "cli", "--hosts", "t0,t1", "--checkpoint-dir",
+                                    str(tmp_path / "c"), "--checkpoint-every", "5", "--export", str(tmp_path / "out"),
+                                    "--wait", "--temporal", target, *[f"--set={c}" for c in CONFIG])
+                assert rc == 0
+                final = json.loads(out.strip().splitlines()[-1])
+                assert final["status"] == "COMPLETED" and final["phase"] == "done" and final["final_loss"] > 0
+                rc, out = await cli("train", "status", "cli", "--temporal", target)
+                assert rc == 0
+                st = json.loads(out)
+                assert st["phase"] == "done" and st["ranks"] == ["t0", "t1"] and st["total_steps"] == 40
+                assert (tmp_path / "out" / SMOKE).exists()
         finally:
             for p in procs.values():
                 p.stop()

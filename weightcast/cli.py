@@ -363,6 +363,60 @@ async def _watch(client, workflow_id: str) -> int:
         await asyncio.sleep(1)
 
 
+def cmd_train(a) -> int:
+    """start | status | pause | resume | abort | checkpoint: durable training runs (TrainingWorkflow)."""
+    from weightcast.training_runs import check_training, start_training, training_id, training_status
+    from workflows.training import TrainingWorkflow
+
+    if a.sub == "start":             # everything checked before connecting anywhere
+        from training.config import TrainConfig
+        from workflows.training_types import TrainingInput
+        cfg = TrainConfig.load(a.config, a.set)
+        inp = TrainingInput(run=a.run, config=cfg.to_dict(), hosts=[h for h in a.hosts.split(",") if h],
+                            checkpoint_dir=str(a.checkpoint_dir.resolve()), checkpoint_every=a.checkpoint_every,
+                            export_dir=str(a.export.resolve()) if a.export else "")
+        check_training(inp)
+
+    async def go():
+        client = await _connect(a.temporal, a.namespace)
+        if a.sub == "start":
+            h = await start_training(client, inp)
+            print(json.dumps({"workflow_id": h.id, "run_id": h.result_run_id}))
+            if not a.wait:
+                return 0
+        if a.sub in ("start", "status") and (getattr(a, "wait", False) or getattr(a, "watch", False)):
+            return await _watch_training(client, a.run)
+        h = client.get_workflow_handle(training_id(a.run))
+        if a.sub == "status":
+            print(json.dumps(await training_status(client, a.run)))
+            return 0
+        update = {"pause": TrainingWorkflow.pause, "resume": TrainingWorkflow.resume,
+                  "abort": TrainingWorkflow.abort, "checkpoint": TrainingWorkflow.checkpoint_now}[a.sub]
+        print(await h.execute_update(update, a.reason))
+        return 0
+    return asyncio.run(go())
+
+
+async def _watch_training(client, run: str) -> int:
+    """Step, loss, tokens/s, ETA, last checkpoint and recoveries until the run ends (0 done, 1 not)."""
+    from temporalio.client import WorkflowExecutionStatus
+    from weightcast.training_runs import training_status
+    bar, t0, seen = Progress(f"train-{run}"), time.monotonic(), 0
+    while True:
+        st = await training_status(client, run)
+        for r in st.get("recoveries", [])[seen:]:
+            print(f"\nrecovery: rank {r['rank']} on {r['host']}: {r['reason']}; {r['action']}", file=sys.stderr)
+        seen = len(st.get("recoveries", []))
+        bar.label = (f"train-{run} {st.get('phase')} loss {st.get('loss')} {st.get('tokens_per_s')} tok/s "
+                     f"eta {st.get('eta_s')} s ckpt {st.get('last_checkpoint')}")
+        bar(time.monotonic() - t0, st.get("step") or 0, max(1, st.get("total_steps") or 1))
+        if st["status"] != WorkflowExecutionStatus.RUNNING.name:
+            bar.close()
+            print(json.dumps({k: st.get(k) for k in ("status", "phase", "final_loss", "recoveries", "export_dir")}))
+            return 0 if st["status"] == WorkflowExecutionStatus.COMPLETED.name else 1
+        await asyncio.sleep(1)
+
+
 def cmd_rollout(a) -> int:
     """start | status | pause | resume | abort | set-concurrency | replay."""
     from weightcast.rollout_status import live_status
@@ -613,6 +667,31 @@ def build_parser() -> argparse.ArgumentParser:
     trr.add_argument("--full", action="store_true", help="include the per-step losses and the config")
     trr.add_argument("--json", action="store_true")
     trr.set_defaults(fn=cmd_train_run)
+    for name, hlp in [("start", "start (or attach to) a durable run on the fleet's host workers (Temporal)"),
+                      ("status", "phase, step, loss, tokens/s, ETA, last checkpoint, recoveries"),
+                      ("pause", "stop every rank at the next step boundary, that step checkpointed"),
+                      ("resume", "continue a paused run from its checkpoint"), ("abort", "stop the run"),
+                      ("checkpoint", "take a checkpoint now")]:
+        p = tr.add_parser(name, help=hlp)
+        p.add_argument("--temporal", default="127.0.0.1:7233")
+        p.add_argument("--namespace", default="default")
+        p.set_defaults(fn=cmd_train)
+        if name == "start":
+            p.add_argument("config", nargs="?", type=Path, help="JSON or TOML TrainConfig (default: the defaults)")
+            p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+            p.add_argument("--run", required=True, help="the run's name: its workflow is train-<run>")
+            p.add_argument("--hosts", required=True,
+                           help="host ids, comma-separated: the first world_size run ranks, the rest are spares")
+            p.add_argument("--checkpoint-dir", type=Path, required=True, help="a directory every host reaches")
+            p.add_argument("--checkpoint-every", type=int, default=10, help="steps between async checkpoints")
+            p.add_argument("--export", type=Path, help="write the finished weights here (safetensors + smoke)")
+            p.add_argument("--wait", action="store_true", help="watch until the run ends (exit 0 done, 1 not)")
+        else:
+            p.add_argument("run")
+        if name == "status":
+            p.add_argument("--watch", action="store_true")
+        if name in ("pause", "resume", "abort", "checkpoint"):
+            p.add_argument("--reason", default="", required=name == "abort", help="recorded in the history")
 
     ro = sub.add_parser("rollout", help="start, watch and steer rollouts (Temporal)").add_subparsers(dest="sub", required=True)
     for name, hlp in [("start", "start (or attach to) the rollout described by a JSON RolloutInput"),

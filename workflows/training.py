@@ -83,8 +83,10 @@ class TrainingWorkflow:
             raise ApplicationError(f"the config needs {world} ranks but only {len(inp.hosts)} hosts were given: "
                                    f"add hosts or lower world_size", type="CannotPlace", non_retryable=True)
         self._run = inp.run
-        st = self._status = TrainingStatus(inp.run, "placing", 0, list(inp.hosts[:world]), list(inp.hosts[world:]))
         total = int(inp.config.get("steps", 0))
+        tokens = int(inp.config.get("global_batch", 0)) * (int(inp.config.get("seq_len", 1)) - 1)
+        st = self._status = TrainingStatus(inp.run, "placing", 0, list(inp.hosts[:world]), list(inp.hosts[world:]),
+                                           total, tokens)
         while True:
             if self._pause:
                 st.phase = "paused"

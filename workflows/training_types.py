@@ -73,6 +73,8 @@ class TrainingStatus:
     attempt: int
     ranks: list[str]                    # host of each rank
     spares: list[str]
+    total_steps: int = 0
+    tokens_per_step: int = 0
     recoveries: list[Recovery] = field(default_factory=list)
     resumed_from: list[int] = field(default_factory=list)   # first step of each attempt
     final_loss: float | None = None     # held-out loss of the final weights
