@@ -23,8 +23,29 @@ from workflows.training_types import ExportInput, RunControl, TrainRankInput, Tr
 
 
 class TrainingActivities:
-    def __init__(self, host_id: str, work: Path, advertise_host: str = "127.0.0.1", poll_s: float = 0.5):
-        self.host_id, self.work, self.advertise, self.poll_s = host_id, work, advertise_host, poll_s
+    def __init__(self, host_id: str, work: Path, advertise_host: str = "127.0.0.1", poll_s: float = 0.5,
+                 warm: bool = True):
+        self.host_id, self.work, self.advertise, self.poll_s, self.warm = host_id, work, advertise_host, poll_s, warm
+        self._ready: asyncio.subprocess.Process | None = None     # a rank process with torch imported, waiting
+
+    async def _rank_process(self, spec: Path, log: Path) -> asyncio.subprocess.Process:
+        """A warm process if one is ready (then another is started for next time), else a fresh one."""
+        proc, self._ready = self._ready, None
+        if proc is None or proc.returncode is not None:
+            with open(log, "ab") as out:
+                proc = await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", "training.supervised_rank", str(spec), stdout=out, stderr=out,
+                    start_new_session=True)
+        else:
+            proc.stdin.write(f"{spec}\t{log}\n".encode())
+            await proc.stdin.drain()
+            proc.stdin.close()
+        if self.warm:
+            self.work.mkdir(parents=True, exist_ok=True)
+            self._ready = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "training.supervised_rank", "--warm", stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL, start_new_session=True)
+        return proc
 
     @activity.defn(name="rendezvous")
     async def rendezvous(self, run: str) -> str:
@@ -43,10 +64,7 @@ class TrainingActivities:
             "init_method": inp.init_method, "checkpoints": inp.checkpoint_dir, "every": inp.checkpoint_every,
             "progress": str(progress), "collective_timeout_s": inp.collective_timeout_s,
             "control": str(self._control(inp.run))}}))
-        with open(d / "rank.log", "ab") as log:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "training.supervised_rank", str(spec), stdout=log, stderr=log,
-                start_new_session=True)
+        proc = await self._rank_process(spec, d / "rank.log")
         try:
             while True:
                 try:

@@ -171,6 +171,13 @@ def cmd_bench_train(a) -> int:
     return 0
 
 
+def cmd_bench_train_recovery(a) -> int:
+    from bench.train_recovery import run_train_recovery_bench
+    res = run_train_recovery_bench(a.ranks, a.steps, a.kill_at, a.every)
+    print(json.dumps(res, indent=None if a.json else 1))
+    return 0 if res["workflow"]["final_loss_matches"] else 1
+
+
 def cmd_bench_soak(a) -> int:
     from bench.soak import run_soak
     bar, t0 = Progress("soak"), time.monotonic()
@@ -603,6 +610,13 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--layouts", default="single,ddp,fsdp,tp,pp,fsdp_tp",
                     help="comma-separated layouts (fsdp_tp uses tp_degree=2 and needs --ranks 4)")
     bt.set_defaults(fn=cmd_bench_train)
+    btr = bench.add_parser("train-recovery", help="a rank killed mid-run: TrainingWorkflow vs torchrun --max-restarts")
+    btr.add_argument("--ranks", type=positive_int, default=2)
+    btr.add_argument("--steps", type=positive_int, default=60)
+    btr.add_argument("--kill-at", type=positive_int, default=33, help="SIGKILL rank 1 once it has finished this step")
+    btr.add_argument("--every", type=positive_int, default=10, help="steps between checkpoints (both systems)")
+    btr.add_argument("--json", action="store_true")
+    btr.set_defaults(fn=cmd_bench_train_recovery)
 
     sk = bench.add_parser("soak", help="many swarms back to back with kills and corrupt peers; counts crashed daemons")
     sk.add_argument("--swarms", type=int, default=10)
