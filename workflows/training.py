@@ -34,6 +34,7 @@ class TrainingWorkflow:
         self._abort: str | None = None
         self._checkpoint_seq = 0
         self._handles: list = []
+        self._draining: list = []
 
     @workflow.query
     def status(self) -> TrainingStatus | None:
@@ -115,6 +116,7 @@ class TrainingWorkflow:
                 "export_weights", ExportInput(inp.run, inp.config, inp.checkpoint_dir, inp.export_dir, inp.run),
                 task_queue=host_queue(st.ranks[0]), start_to_close_timeout=timedelta(minutes=30),
                 retry_policy=RetryPolicy(maximum_attempts=3))
+        await asyncio.gather(*self._draining, return_exceptions=True)
         st.phase = "done"
         return TrainingResult(inp.run, results[0].steps, st.final_loss, st.recoveries, st.export_dir)
 
@@ -140,7 +142,9 @@ class TrainingWorkflow:
         failed = next(i for i, h in enumerate(handles) if h.done() and h.exception() is not None)
         for h in handles:
             h.cancel()
-        await asyncio.gather(*handles, return_exceptions=True)
+        # the next attempt starts now: the cancelled ranks stop on their own (their peer is gone, and the
+        # cancellation kills their process), on a fresh rendezvous; they are awaited at the end
+        self._draining += [h for h in handles if not h.done()]
         err = handles[failed].exception()
         host = st.ranks[failed]
         silent = isinstance(err.__cause__, TimeoutError)
