@@ -12,11 +12,13 @@ from prometheus_client import CollectorRegistry
 import peerd.__main__ as peerd_main
 from peerd.metrics import PeerdMetrics
 from serving import router, server
+from training.config import TrainConfig
 from weightcast import cli
 from weightcast.publish import hosts_from_file
 from workers import control_worker, host_worker
 
-INFRA = Path(__file__).parent.parent / "infra"
+REPO = Path(__file__).parent.parent
+INFRA = REPO / "infra"
 PARSERS = {"peerd": peerd_main.build_parser, "workers.host_worker": host_worker.build_parser,
            "workers.control_worker": control_worker.build_parser, "serving.server": server.build_parser,
            "serving.router": router.build_parser}
@@ -71,6 +73,17 @@ def test_ci_example_publish_command_parses():
     a = cli.build_parser().parse_args(argv[1:])
     assert a.fn is cli.cmd_publish and a.wait and a.hosts == Path("infra/fleet/hosts.json")
     assert len(hosts_from_file(INFRA / "fleet" / "hosts.json")) == 3
+
+
+def test_ci_example_trains_with_a_config_and_command_that_parse():
+    wf = yaml.safe_load((INFRA / "ci" / "publish-after-training.yml").read_text())
+    runs = [s["run"] for job in wf["jobs"].values() for s in job["steps"] if "weightcast train start" in s.get("run", "")]
+    assert len(runs) == 1
+    argv = shlex.split(placeholders([runs[0]])[0])
+    a = cli.build_parser().parse_args(argv[1:])
+    assert a.fn is cli.cmd_train and a.sub == "start" and a.wait and a.export
+    cfg = TrainConfig.load(REPO / a.config, a.set)        # the config file is real and valid
+    assert cfg.world_size < len(a.hosts.split(","))       # a spare to migrate to
 
 
 def exported_metric_names() -> set[str]:
