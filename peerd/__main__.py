@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--origin-rate", type=rate, default=None, help="bytes/s of origin reads (default unlimited)")
     ap.add_argument("--max-uploads", type=int, default=default("max_uploads"), help="concurrent chunk uploads before 503 busy")
     ap.add_argument("--max-cross-rack-peers", type=int, default=PolicyConfig().max_cross_rack_peers,
-                    help="peers in other racks a download tracks at once (lower on oversubscribed racks)")
+                    help="peers in other racks a download tracks at once")
     ap.add_argument("--gossip-interval", type=float, default=default("gossip_interval"))
     ap.add_argument("--have-interval", type=float, default=default("have_interval"))
     ap.add_argument("--dead-after", type=float, default=default("dead_after"))

@@ -40,7 +40,7 @@ class PolicyConfig:
     max_errors: int = 3            # consecutive errors before a peer is declared dead
     rack_grace_s: float = 2.0      # a chunk's backup importer in each rack waits this long before pulling cross-rack
     rack_rescue_s: float = 10.0    # after this any host may pull it across racks (importers dead or cut off)
-    max_cross_rack_peers: int = 12  # peers in other racks tracked at once; lower it (4) on oversubscribed racks
+    max_cross_rack_peers: int = 12  # peers in other racks tracked at once (rack-local imports keep uplinks at ~2 copies a chunk)
     plan_size: int = 64            # chunks ranked per re-plan
     window: int = 1024             # ranked among the lowest missing chunks: a bounded spread of
                                    # half-done work, and the same rule the simulator runs at scale

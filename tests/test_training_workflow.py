@@ -223,3 +223,33 @@ async def test_the_cli_starts_watches_and_reports_a_run(tmp_path, keys, capsys):
         finally:
             for p in procs.values():
                 p.stop()
+
+
+async def test_ranks_train_on_while_the_temporal_server_is_down(tmp_path, keys):
+    from weightcast.stack.ports import free_ports
+    port = free_ports(1)[0]
+
+    async def server():
+        return await WorkflowEnvironment.start_local(
+            dev_server_existing_path=temporal_binary(), port=port, search_attributes=SEARCH_ATTRIBUTES,
+            dev_server_database_filename=str(tmp_path / "temporal.db"))
+    env = await server()
+    procs = await hosts(env, tmp_path, ["t0", "t1"])
+    try:
+        async with control_worker.build(env.client, [keys["pub_path"]]):
+            h = await env.client.start_workflow(TrainingWorkflow.run, TrainingInput(
+                run="outage", config=TrainConfig.load(None, [*CONFIG, "steps=200"]).to_dict(), hosts=["t0", "t1"],
+                checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=20, heartbeat_timeout_s=10),
+                id="train-outage", task_queue=CONTROL_QUEUE)
+            await until(lambda: progress(tmp_path, "t0", 0).get("step", 0) >= 20)
+            await env.shutdown()
+            down = progress(tmp_path, "t0", 0)["step"]
+            await asyncio.sleep(3.0)
+            assert progress(tmp_path, "t0", 0)["step"] > down + 5        # no coordinator needed per step
+            env = await server()
+            result = await asyncio.wait_for(h.result(), 120)
+        assert result.steps == 200 and result.recoveries == []         # caught up; nothing to recover
+    finally:
+        for p in procs.values():
+            p.stop()
+        await env.shutdown()
