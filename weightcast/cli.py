@@ -370,6 +370,11 @@ async def _watch(client, workflow_id: str) -> int:
         await asyncio.sleep(1)
 
 
+def _print_started(handle) -> None:
+    """What CI keeps from a start: the workflow's id and run."""
+    print(json.dumps({"workflow_id": handle.id, "run_id": handle.result_run_id}))
+
+
 def cmd_train(a) -> int:
     """start | status | pause | resume | abort | checkpoint: durable training runs (TrainingWorkflow)."""
     from weightcast.training_runs import check_training, start_training, training_id, training_status
@@ -388,7 +393,7 @@ def cmd_train(a) -> int:
         client = await _connect(a.temporal, a.namespace)
         if a.sub == "start":
             h = await start_training(client, inp)
-            print(json.dumps({"workflow_id": h.id, "run_id": h.result_run_id}))
+            _print_started(h)
             if not a.wait:
                 return 0
         if a.sub in ("start", "status") and (getattr(a, "wait", False) or getattr(a, "watch", False)):
@@ -459,7 +464,7 @@ def cmd_rollout(a) -> int:
         client = await _connect(a.temporal, a.namespace)
         if a.sub == "start":
             h = await start_rollout(client, inp)
-            print(json.dumps({"workflow_id": h.id, "run_id": h.result_run_id}))
+            _print_started(h)
             return 0
         if a.sub == "rollback":
             from weightcast.rollouts import rollback
