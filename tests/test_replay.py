@@ -1,7 +1,9 @@
 """Golden histories replay against today's workflow code: a change that is not replay-safe fails CI.
 Re-record with WEIGHTCAST_RECORD_HISTORIES=1 pytest tests/test_rollout.py tests/test_full_size_rollout.py
-tests/test_rollout_controls.py (manifest by reference; pause/resume and abort mid-distribution) after
-an intended, patched change (see docs/control-plane.md)."""
+tests/test_rollout_controls.py tests/test_training_workflow.py (manifest by reference; pause/resume and
+abort mid-distribution; a training run's recoveries) after an intended, patched change (see
+docs/control-plane.md). train-golden.json (a rank killed and recovered, checkpoint-now, pause and
+resume) was recorded by running those steps against the dev server once."""
 from pathlib import Path
 
 import pytest

@@ -88,6 +88,9 @@ async def run_training(tmp_path, keys, fault):
                 await fault(procs)
                 result = await asyncio.wait_for(handle.result(), 180)
                 st = await handle.query(TrainingWorkflow.status)
+                if os.environ.get("WEIGHTCAST_RECORD_HISTORIES"):      # a golden history with a recovery
+                    hist = await handle.fetch_history()
+                    (Path(__file__).parent / "histories" / f"{handle.id}.json").write_text(hist.to_json())
             return result, st
         finally:
             for p in procs.values():
