@@ -8,7 +8,7 @@ import torch
 from serving.model import init_model
 from training.config import ConfigError, TrainConfig
 from training.data import Language, Sampler
-from training.launch import launch
+from training.launch import RanksHung, launch
 from weightcast.cli import main
 
 SMALL = ["model.vocab=128", "model.d_model=32", "model.n_heads=2", "model.d_ff=64", "model.max_seq=16",
@@ -16,7 +16,16 @@ SMALL = ["model.vocab=128", "model.d_model=32", "model.n_heads=2", "model.d_ff=6
 
 
 def run(tmp_path, name, *overrides):
-    return launch(TrainConfig.load(None, [*SMALL, *overrides]), tmp_path / name)
+    # a hang ends with every rank's stacks on stderr before pytest's own timeout
+    return launch(TrainConfig.load(None, [*SMALL, *overrides]), tmp_path / name, timeout_s=240)
+
+
+def test_ranks_that_do_not_finish_are_stopped_with_their_stacks(tmp_path, capfd):
+    cfg = TrainConfig.load(None, [*SMALL, "layout=ddp", "world_size=2", "steps=1000", 'slow_ranks={"1": 100}'])
+    with pytest.raises(RanksHung, match="still running after 6 s"):
+        launch(cfg, tmp_path / "run", timeout_s=6)
+    err = capfd.readouterr().err
+    assert "most recent call first" in err and "run_rank" in err   # faulthandler: where each rank was
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import faulthandler
 import json
+import os
+import signal
 import statistics
 import tempfile
 import time
@@ -16,14 +18,35 @@ from training.data import Language
 from training.rank import leave, run_rank
 
 
+class RanksHung(RuntimeError):
+    """The ranks did not finish within the launch's timeout; their stacks were dumped to stderr."""
+
+
 def _spawned_rank(rank: int, cfg_dict: dict, out_dir: str) -> None:
     faulthandler.enable()            # a native abort in a collective still names the Python line
-    run_rank(rank, cfg_dict, out_dir)
-    leave()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)   # and a hung rank its stacks, on request
+    alive = run_rank(rank, cfg_dict, out_dir)     # held until the process ends (see run_rank)
+    leave(alive)
 
 
-def launch(cfg: TrainConfig, out_dir: Path | None = None) -> dict:
-    """Run the job to the end; raises ConfigError before any process starts if the config cannot run."""
+def _join(ctx, timeout_s: float | None) -> None:
+    """Wait for every rank; past ``timeout_s`` ask each for its stacks (SIGUSR1), then end them."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while not ctx.join(timeout=1.0):
+        if deadline is not None and time.monotonic() > deadline:
+            pids = [p.pid for p in ctx.processes if p.is_alive()]
+            for pid in pids:
+                os.kill(pid, signal.SIGUSR1)
+            time.sleep(1.0)                      # let faulthandler write
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            raise RanksHung(f"ranks (pids {pids}) still running after {timeout_s:.0f} s; their stacks are on stderr")
+
+
+def launch(cfg: TrainConfig, out_dir: Path | None = None, timeout_s: float | None = None) -> dict:
+    """Run the job to the end; raises ConfigError before any process starts if the config cannot run,
+    and RanksHung (after dumping every rank's stacks) if it runs past ``timeout_s``."""
     cfg.check()
     work = Path(out_dir or tempfile.mkdtemp(prefix="wc-train-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -32,8 +55,9 @@ def launch(cfg: TrainConfig, out_dir: Path | None = None) -> dict:
     if cfg.world_size == 1:
         run_rank(0, cfg.to_dict(), str(work))
     else:
-        mp.start_processes(_spawned_rank, args=(cfg.to_dict(), str(work)), nprocs=cfg.world_size,
-                           start_method="spawn", join=True)
+        ctx = mp.start_processes(_spawned_rank, args=(cfg.to_dict(), str(work)), nprocs=cfg.world_size,
+                                 start_method="spawn", join=False)
+        _join(ctx, timeout_s)
     wall = time.perf_counter() - t0
     ranks = [json.loads((work / f"rank{r}.json").read_text()) for r in range(cfg.world_size)]
     steps = cfg.steps

@@ -58,11 +58,12 @@ def make_optimizer(cfg: TrainConfig, params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
-def leave() -> None:
-    """End a finished rank process. Its record and weights are on disk and the process group is gone;
-    leave without interpreter finalization: native objects (a DDP reducer still holding the gloo group,
-    its worker threads) torn down in arbitrary order at exit were seen to abort a finished rank with
-    "terminate called without an active exception", failing a run that had succeeded."""
+def leave(alive: tuple = ()) -> None:
+    """End a finished rank process while ``alive`` (what ``run_rank`` returned) is still referenced.
+    Its record and weights are on disk and the process group is gone; leave without interpreter
+    finalization or freeing those objects: native objects (a DDP reducer still holding the gloo group,
+    its worker threads) torn down were seen to abort a finished rank ("terminate called without an
+    active exception") or to deadlock it (see the end of ``run_rank``)."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
@@ -74,7 +75,7 @@ def _write_progress(path: Path, progress: dict) -> None:
     os.replace(tmp, path)
 
 
-def run_rank(rank: int, cfg_dict: dict, out_dir: str, durable: dict | None = None) -> None:
+def run_rank(rank: int, cfg_dict: dict, out_dir: str, durable: dict | None = None) -> tuple:
     """``durable`` (a supervised run, training/supervised_rank.py): ``init_method`` for the process
     group, ``collective_timeout_s``, ``checkpoints`` (a directory), ``every`` (steps between
     checkpoints), ``synchronous`` (block on saves, for comparison) and ``progress`` (a JSON file this
@@ -211,3 +212,8 @@ def run_rank(rank: int, cfg_dict: dict, out_dir: str, durable: dict | None = Non
         # receive thread throw (std::terminate, SIGABRT) on a slow (tc-limited) link
         dist.barrier()
         dist.destroy_process_group()
+    # The caller holds these until it leaves the process (``leave``). Freed here, the DDP reducer's
+    # destructor would destroy the last gloo group on this thread, holding the GIL, and join gloo's
+    # worker thread, which needs the GIL to free a finished work item: a deadlock (found with py-spy
+    # on a rank that never exited).
+    return model, pipe, opt, ckpt

@@ -23,8 +23,8 @@ def _run(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     faulthandler.enable()            # a native abort in a collective still names the Python line
     Path(spec["out_dir"]).mkdir(parents=True, exist_ok=True)
-    run_rank(spec["rank"], spec["config"], spec["out_dir"], spec["durable"])
-    leave()
+    alive = run_rank(spec["rank"], spec["config"], spec["out_dir"], spec["durable"])   # held until exit
+    leave(alive)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -24,9 +24,9 @@ def main() -> None:
     # one node: the ranks of each restart meet through a fresh file (the agent's TCP store kept keys of
     # the killed round that gloo's new groups then tried to connect to: "connection refused")
     init = f"file://{Path(spec['out_dir']).resolve()}/rendezvous-{restart}"
-    run_rank(rank, spec["config"], str(out), {**spec["durable"], "init_method": init,
+    alive = run_rank(rank, spec["config"], str(out), {**spec["durable"], "init_method": init,
                                              "progress": str(out / "progress.json")})
-    leave()
+    leave(alive)
 
 
 if __name__ == "__main__":
