@@ -256,3 +256,30 @@ async def test_ranks_train_on_while_the_temporal_server_is_down(tmp_path, keys):
         for p in procs.values():
             p.stop()
         await env.shutdown()
+
+
+async def test_without_a_spare_a_silent_hosts_rank_waits_for_its_host_to_return(tmp_path, keys, uninterrupted):
+    async def kill_then_restart_host_worker(procs):
+        await until(lambda: progress(tmp_path, "t1", 1).get("step", 0) >= 12)
+        procs["t1"].proc.kill()
+        await asyncio.sleep(6.0)                 # past the 4 s heartbeat timeout: recovered "on t1"
+        await asyncio.to_thread(procs["t1"].start)
+
+    async with await WorkflowEnvironment.start_local(dev_server_existing_path=temporal_binary(),
+                                                     search_attributes=SEARCH_ATTRIBUTES) as env:
+        procs = await hosts(env, tmp_path, ["t0", "t1"])
+        try:
+            inp = TrainingInput(run="nospare", config=TrainConfig.load(None, CONFIG).to_dict(), hosts=["t0", "t1"],
+                                checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=5, heartbeat_timeout_s=4.0,
+                                collective_timeout_s=20.0)
+            async with control_worker.build(env.client, [keys["pub_path"]]):
+                h = await env.client.start_workflow(TrainingWorkflow.run, inp, id="train-nospare",
+                                                    task_queue=CONTROL_QUEUE)
+                await kill_then_restart_host_worker(procs)
+                result = await asyncio.wait_for(h.result(), 180)
+        finally:
+            for p in procs.values():
+                p.stop()
+    assert [r.action for r in result.recoveries][:1] == ["restart on t1"]
+    assert result.steps == 40
+    assert result.final_loss == pytest.approx(uninterrupted, rel=1e-5, abs=1e-6)

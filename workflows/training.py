@@ -130,6 +130,8 @@ class TrainingWorkflow:
                                          inp.checkpoint_every, inp.collective_timeout_s),
             result_type=TrainRankResult, task_queue=host_queue(host),
             start_to_close_timeout=timedelta(seconds=inp.run_timeout_s),
+            # a host whose worker never picks the rank up is as lost as one that stops heartbeating
+            schedule_to_start_timeout=timedelta(seconds=max(60.0, 3 * inp.heartbeat_timeout_s)),
             heartbeat_timeout=timedelta(seconds=inp.heartbeat_timeout_s), retry_policy=ONCE)
             for r, host in enumerate(st.ranks)]
         try:
