@@ -19,6 +19,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from training.control import Control, write
+from weightcast.stack.processes import last_lines
 from workflows.training_types import ExportInput, RunControl, TrainRankInput, TrainRankResult
 
 
@@ -77,7 +78,7 @@ class TrainingActivities:
             await proc.wait()
             raise
         if proc.returncode != 0:
-            tail = (d / "rank.log").read_bytes()[-600:].decode(errors="replace").strip().splitlines()[-3:]
+            tail = [ln for ln in last_lines(d / "rank.log", 3) if ln.strip()]
             raise ApplicationError(f"rank {inp.rank} on {self.host_id} exited with {proc.returncode}: "
                                    + " | ".join(tail), type="RankFailed", non_retryable=True)
         rec = json.loads((d / f"rank{inp.rank}.json").read_text())

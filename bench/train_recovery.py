@@ -69,8 +69,13 @@ def _local(cfg: TrainConfig, root: Path, every: int, synchronous: bool) -> list[
             "progress": str(d / "progress.json")}}))
         procs.append(subprocess.Popen([sys.executable, "-m", "training.supervised_rank", str(d / "spec.json")],
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-    if any(p.wait() != 0 for p in procs):
-        raise RuntimeError(f"a rank of the {'synchronous' if synchronous else 'asynchronous'} run failed")
+    try:
+        if any(p.wait(timeout=600) != 0 for p in procs):
+            raise RuntimeError(f"a rank of the {'synchronous' if synchronous else 'asynchronous'} run failed")
+    finally:                                  # a failed or stopped benchmark leaves no rank behind
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
     return json.loads((root / "rank0" / "rank0.json").read_text())["save_stall_s"]
 
 
