@@ -20,18 +20,14 @@ from serving.model import init_model
 from training.config import TrainConfig
 from training.launch import launch
 from training.rank import held_out_loss
-from weightcast.stack.module_proc import ModuleProc
 from weightcast.stack.temporal import SEARCH_ATTRIBUTES, temporal_binary
 from workers import control_worker
 from workflows.training import TrainingWorkflow
 from workflows.training_types import TrainingInput
 from workflows.types import CONTROL_QUEUE
+from tests.training_fixtures import CONFIG, hosts, progress, until
 
 pytestmark = pytest.mark.asyncio
-CONFIG = ["model.vocab=128", "model.d_model=32", "model.n_heads=2", "model.d_ff=64", "model.max_seq=16",
-          "seq_len=16", "global_batch=8", "lr=3e-2", "layout=ddp", "world_size=2", "steps=40"]
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     """The held-out loss of the same run's final weights, trained in one go by `weightcast train run`."""
@@ -41,35 +37,6 @@ def uninterrupted(tmp_path_factory):
     model = init_model(cfg.model, cfg.seed)
     model.load_state_dict(torch.load(out / "model.pt"))
     return held_out_loss(model, cfg, torch.device("cpu"))
-
-
-async def hosts(env, root: Path, ids) -> dict[str, ModuleProc]:
-    target = env.client.service_client.config.target_host
-    procs = {i: ModuleProc(f"host-worker {i}", "workers.host_worker", root / i,
-                           ["--id", i, "--temporal", target, "--store", str(root / i / "store"),
-                            "--train-dir", str(root / i / "train"), "--heartbeat-every", "0.5"]).launch()
-             for i in ids}
-    for p in procs.values():
-        await asyncio.to_thread(p.wait_ready)
-    return procs
-
-
-def progress(root: Path, host: str, rank: int) -> dict:
-    """The newest attempt's progress of a rank on a host (what its activity heartbeats)."""
-    for f in sorted((root / host / "train").glob(f"*/attempt-*/rank{rank}/progress.json"), reverse=True):
-        try:
-            return json.loads(f.read_text())
-        except ValueError:
-            pass
-    return {}
-
-
-async def until(pred, timeout=60.0):
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not pred():
-        assert loop.time() < deadline, "timed out"
-        await asyncio.sleep(0.05)
 
 
 async def run_training(tmp_path, keys, fault):

@@ -386,7 +386,8 @@ def cmd_train(a) -> int:
         cfg = TrainConfig.load(a.config, a.set)
         inp = TrainingInput(run=a.run, config=cfg.to_dict(), hosts=[h for h in a.hosts.split(",") if h],
                             checkpoint_dir=str(a.checkpoint_dir.resolve()), checkpoint_every=a.checkpoint_every,
-                            export_dir=str(a.export.resolve()) if a.export else "")
+                            export_dir=str(a.export.resolve()) if a.export else "",
+                            rollout=_training_rollout(a), publish_chunk_size=a.chunk_size)
         check_training(inp)
 
     async def go():
@@ -409,6 +410,23 @@ def cmd_train(a) -> int:
     return asyncio.run(go())
 
 
+def _training_rollout(a):
+    """`train start --roll-out FLEET`: the rollout the run starts once its weights are exported."""
+    if a.roll_out is None:
+        return None
+    from weightcast.publish import hosts_from_file
+    from workflows.types import RolloutInput
+    endpoint = a.endpoint or os.environ.get("AWS_ENDPOINT_URL")
+    missing = [n for n, v in (("--model", a.model), ("--bucket", a.bucket), ("--endpoint", endpoint)) if not v]
+    if missing:
+        raise SystemExit(f"error: --roll-out needs {', '.join(missing)}")
+    version = a.version or a.run
+    return RolloutInput(a.model, version, "", {"endpoint": endpoint, "bucket": a.bucket,
+                                               "prefix": a.prefix or f"{a.model}/{version}"},
+                        hosts_from_file(a.roll_out), router=a.router, previous_version=a.previous_version,
+                        max_concurrent_loads=a.max_concurrent_loads, failure_budget=a.failure_budget)
+
+
 async def _watch_training(client, run: str) -> int:
     """Step, loss, tokens/s, ETA, last checkpoint and recoveries until the run ends (0 done, 1 not)."""
     from temporalio.client import WorkflowExecutionStatus
@@ -421,10 +439,13 @@ async def _watch_training(client, run: str) -> int:
         seen = len(st.get("recoveries", []))
         bar.label = (f"train-{run} {st.get('phase')} loss {st.get('loss')} {st.get('tokens_per_s')} tok/s "
                      f"eta {st.get('eta_s')} s ckpt {st.get('last_checkpoint')}")
+        if st.get("phase") == "rolling out":
+            bar.label = f"train-{run} rolling out: {st.get('rollout_id')} (weightcast rollout status --watch)"
         bar(time.monotonic() - t0, st.get("step") or 0, max(1, st.get("total_steps") or 1))
         if st["status"] != WorkflowExecutionStatus.RUNNING.name:
             bar.close()
-            print(json.dumps({k: st.get(k) for k in ("status", "phase", "final_loss", "recoveries", "export_dir")}))
+            print(json.dumps({k: st.get(k) for k in ("status", "phase", "final_loss", "recoveries", "export_dir",
+                                                      "version_id", "rollout_id", "detail")}))
             return 0 if st["status"] == WorkflowExecutionStatus.COMPLETED.name else 1
         await asyncio.sleep(1)
 
@@ -704,6 +725,20 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--checkpoint-dir", type=Path, required=True, help="a directory every host reaches")
             p.add_argument("--checkpoint-every", type=int, default=10, help="steps between async checkpoints")
             p.add_argument("--export", type=Path, help="write the finished weights here (safetensors + smoke)")
+            ro_ = p.add_argument_group("roll the trained weights out (needs --export and a publish worker)")
+            ro_.add_argument("--roll-out", type=Path, metavar="FLEET",
+                             help='fleet inventory JSON [{"id", "model_server", "rack"}, ...]: after export, publish '
+                                  "the weights and roll them out to these hosts (a child RolloutWorkflow)")
+            ro_.add_argument("--model", help="the model name to publish under")
+            ro_.add_argument("--version", help="the version to publish (default: the run's name)")
+            ro_.add_argument("--endpoint", help="S3 endpoint URL (default $AWS_ENDPOINT_URL)")
+            ro_.add_argument("--bucket")
+            ro_.add_argument("--prefix", help="default <model>/<version>")
+            ro_.add_argument("--router", default="", help="router address (empty: no traffic phase)")
+            ro_.add_argument("--previous-version", default="", help="where an aborted rollout sends traffic back")
+            ro_.add_argument("--max-concurrent-loads", type=int, default=2)
+            ro_.add_argument("--failure-budget", type=float, default=0.05)
+            ro_.add_argument("--chunk-size", type=parse_size, default=mf.DEFAULT_CHUNK_SIZE)
             p.add_argument("--wait", action="store_true", help="watch until the run ends (exit 0 done, 1 not)")
         else:
             p.add_argument("run")

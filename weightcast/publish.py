@@ -39,7 +39,12 @@ PREFLIGHT_TIMEOUT = timedelta(seconds=60)
 
 
 class PublishError(RuntimeError):
-    pass
+    """Nothing (more) was published; the message says why and what to do. ``retryable``: a fault of
+    the moment (object storage unreachable), not of the request."""
+
+    def __init__(self, msg: str, retryable: bool = False):
+        super().__init__(msg)
+        self.retryable = retryable
 
 
 @dataclass
@@ -73,7 +78,7 @@ async def upload(req: PublishRequest) -> Published:
         return await _upload_to_bucket(req, m, signed, key, where)
     except (BotoCoreError, ClientError, OriginError) as e:
         raise PublishError(f"object storage at {req.origin.endpoint} ({where}): {e}; check --endpoint, --bucket "
-                           "and the AWS_* credentials") from None
+                           "and the AWS_* credentials", retryable=True) from None
 
 
 async def _upload_to_bucket(req: PublishRequest, m: mf.Manifest, signed: bytes, key, where: str) -> Published:
@@ -112,11 +117,16 @@ def check_label(req: PublishRequest) -> None:
                            f"publish it as --version {label} or re-export it; nothing published")
 
 
+def signed_probe(key, model: str, version: str) -> str:
+    """A tiny manifest signed with the publishing key: the control worker checks it trusts the key."""
+    probe = mf.build_from_pieces(model, version, 1024, [("preflight-probe", [b"weightcast preflight"])])
+    return mf.signed_bytes(probe, key).decode()
+
+
 async def preflight(client: Client, req: PublishRequest, router: str = "", previous_version: str = "") -> None:
     """Ask the control worker before uploading: does it trust this key, can it drive the router?"""
-    key = load_private_key(req.key)
-    probe = mf.build_from_pieces(req.model, req.version, 1024, [("preflight-probe", [b"weightcast preflight"])])
-    inp = PreflightInput(mf.signed_bytes(probe, key).decode(), req.model, router, previous_version)
+    inp = PreflightInput(signed_probe(load_private_key(req.key), req.model, req.version), req.model, router,
+                         previous_version)
     try:
         problems = await client.execute_workflow(
             PreflightWorkflow.run, inp, id=f"preflight-{req.model}-{req.version}-{uuid.uuid4().hex[:8]}",

@@ -8,7 +8,7 @@ from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 
 from workflows.rollback import RollbackInput, RollbackWorkflow
 from workflows.rollout import RolloutWorkflow
-from workflows.types import CONTROL_QUEUE, NAME, RolloutInput
+from workflows.types import CONTROL_QUEUE, NAME, RolloutInput, rollout_id
 
 
 class InvalidRolloutInput(ValueError):
@@ -20,10 +20,6 @@ def check_input(inp: RolloutInput, what: str = "rollout not started") -> None:
     problems = inp.problems()
     if problems:
         raise InvalidRolloutInput(f"{what}: " + "; ".join(problems))
-
-
-def rollout_id(model: str, version: str) -> str:
-    return f"rollout-{model}-{version}"
 
 
 async def start_rollout(client: Client, inp: RolloutInput, workflow_id: str | None = None) -> WorkflowHandle:

@@ -1,6 +1,9 @@
 """TrainingWorkflow: one durable training run (id ``train-<run>``).
 
-Phases (the ``status`` query): placing → running → (recovering → running)* → exporting → done. The
+Phases (the ``status`` query): [preflight →] placing → running → (recovering → running)* → exporting
+[→ publishing → rolling out] → done. With a rollout the chain is checked before any rank starts (the
+publish worker signs a probe, the control worker must trust it and reach the router), and after export
+the publish worker uploads and signs the weights and a child RolloutWorkflow rolls them out. The
 per-step loop never goes through Temporal: each rank is a process that a ``train_rank`` activity on
 its host's queue starts and supervises, heartbeating progress. When any rank fails — its process dies
 (``RankFailed``) or its host goes silent (heartbeat timeout) — the workflow cancels the other ranks,
@@ -10,17 +13,19 @@ host, or, for a host that went silent, on a spare. Every recovery is in the hist
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from datetime import timedelta
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy
-from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError
-
-from workflows.types import host_queue
+from temporalio.common import RetryPolicy, WorkflowIDReusePolicy
+from temporalio.exceptions import (ActivityError, ApplicationError, ChildWorkflowError, TimeoutError,
+                                   WorkflowAlreadyStartedError)
 
 with workflow.unsafe.imports_passed_through():
-    from workflows.training_types import (ExportInput, Recovery, RunControl, TrainingInput, TrainingResult,
-                                          TrainingStatus, TrainRankInput, TrainRankResult)
+    from workflows.training_types import (ExportInput, PublishedExport, PublishExport, Recovery, RunControl,
+                                          TrainingInput, TrainingResult, TrainingStatus, TrainRankInput,
+                                          TrainRankResult)
+    from workflows.types import CONTROL_QUEUE, PUBLISH_QUEUE, ManifestRef, PreflightInput, host_queue, rollout_id
 
 ONCE = RetryPolicy(maximum_attempts=1)      # a failed rank is the workflow's decision, not a retry's
 
@@ -63,6 +68,10 @@ class TrainingWorkflow:
 
     @workflow.update
     async def abort(self, reason: str) -> str:
+        if self._status is not None and self._status.phase in ("publishing", "rolling out"):
+            rid = self._status.rollout_id or "its rollout"
+            return (f"training is over and its weights are being published or rolled out: abort {rid} itself "
+                    "with `weightcast rollout abort`")
         self._abort = reason or "aborted"
         for h in self._handles:
             h.cancel()
@@ -88,6 +97,9 @@ class TrainingWorkflow:
         tokens = int(inp.config.get("global_batch", 0)) * (int(inp.config.get("seq_len", 1)) - 1)
         st = self._status = TrainingStatus(inp.run, "placing", 0, list(inp.hosts[:world]), list(inp.hosts[world:]),
                                            total, tokens)
+        if inp.rollout is not None:
+            await self._preflight(inp, st)
+            st.phase = "placing"
         while True:
             if self._pause:
                 st.phase = "paused"
@@ -112,13 +124,78 @@ class TrainingWorkflow:
         st.final_loss = next((r.held_out_loss for r in results if r.held_out_loss is not None), None)
         if inp.export_dir:
             st.phase = "exporting"
+            version = inp.rollout.version if inp.rollout is not None else inp.run     # the weights' own label
             st.export_dir = await workflow.execute_activity(
-                "export_weights", ExportInput(inp.run, inp.config, inp.checkpoint_dir, inp.export_dir, inp.run),
+                "export_weights", ExportInput(inp.run, inp.config, inp.checkpoint_dir, inp.export_dir, version),
                 task_queue=host_queue(st.ranks[0]), start_to_close_timeout=timedelta(minutes=30),
                 retry_policy=RetryPolicy(maximum_attempts=3))
         await asyncio.gather(*self._draining, return_exceptions=True)
+        ready: list[str] = []
+        if inp.rollout is not None:
+            ready = await self._roll_out(inp, st)
         st.phase = "done"
-        return TrainingResult(inp.run, results[0].steps, st.final_loss, st.recoveries, st.export_dir)
+        return TrainingResult(inp.run, results[0].steps, st.final_loss, st.recoveries, st.export_dir,
+                              st.version_id, st.rollout_id, ready)
+
+    def _publish_input(self, inp: TrainingInput, source: str) -> PublishExport:
+        r = inp.rollout
+        return PublishExport(source, r.model, r.version, r.origin, inp.publish_chunk_size)
+
+    async def _preflight(self, inp: TrainingInput, st: TrainingStatus) -> None:
+        """Before any rank starts: can these weights be published and rolled out at the end?"""
+        st.phase = "preflight"
+        r = inp.rollout
+        problems = [] if inp.export_dir else ["a rollout needs the exported weights: give export_dir"]
+        problems += dataclasses.replace(r, signed_manifest="", manifest=ManifestRef("0" * 64)).problems()
+        if not problems:
+            try:
+                probe = await workflow.execute_activity(
+                    "sign_probe", self._publish_input(inp, ""), task_queue=PUBLISH_QUEUE, result_type=str,
+                    schedule_to_start_timeout=timedelta(seconds=60), start_to_close_timeout=timedelta(seconds=30),
+                    retry_policy=RetryPolicy(maximum_attempts=3), summary="publish worker: sign a probe")
+            except ActivityError as e:
+                if not isinstance(e.cause, TimeoutError):
+                    raise
+                problems.append(f"no publish worker answered on {PUBLISH_QUEUE} within 60 s: start "
+                                "`python -m workers.publish_worker --key SIGNING.pem` where the signing key lives")
+            else:
+                problems += await workflow.execute_activity(
+                    "preflight", PreflightInput(probe, r.model, r.router, r.previous_version),
+                    task_queue=CONTROL_QUEUE, result_type=list[str], start_to_close_timeout=timedelta(seconds=30),
+                    retry_policy=RetryPolicy(maximum_attempts=2), summary="rollout pre-checks: signing key, router")
+        if problems:
+            st.phase = "failed"
+            raise ApplicationError("the trained weights could not be rolled out, so training was not started: "
+                                   + "; ".join(problems), type="CannotRollOut", non_retryable=True)
+
+    async def _roll_out(self, inp: TrainingInput, st: TrainingStatus) -> list[str]:
+        """Publish the export (upload, sign) and roll it out as a child workflow; the hosts now serving it."""
+        r = inp.rollout
+        st.phase = "publishing"
+        pub: PublishedExport = await workflow.execute_activity(
+            "publish_export", self._publish_input(inp, st.export_dir), task_queue=PUBLISH_QUEUE,
+            result_type=PublishedExport, start_to_close_timeout=timedelta(hours=12),
+            heartbeat_timeout=timedelta(seconds=60), retry_policy=RetryPolicy(maximum_attempts=5),
+            summary=f"publish {r.model}/{r.version}")
+        st.version_id = pub.version_id
+        st.phase = "rolling out"
+        st.rollout_id = rollout_id(r.model, r.version)
+        try:
+            # abandoned, not cancelled, with the parent: a rollout is steered on its own (pause, abort)
+            result = await workflow.execute_child_workflow(
+                "RolloutWorkflow", dataclasses.replace(r, manifest=ManifestRef(pub.version_id, pub.key)),
+                id=st.rollout_id, task_queue=CONTROL_QUEUE, result_type=dict,
+                parent_close_policy=workflow.ParentClosePolicy.ABANDON,
+                id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE)
+        except WorkflowAlreadyStartedError:
+            st.detail = f"{st.rollout_id} already exists (started by someone else): not started again"
+            return []
+        except ChildWorkflowError as e:
+            st.phase = "failed"
+            raise ApplicationError(f"training finished and {r.model}/{r.version} was published, but its rollout "
+                                   f"{st.rollout_id} failed: {e.cause or e}", type="RolloutFailed",
+                                   non_retryable=True) from None
+        return list(result.get("ready", []))
 
     async def _attempt(self, inp: TrainingInput, st: TrainingStatus) -> list[TrainRankResult] | None:
         """One attempt of every rank; None after recording how to recover from its failure."""

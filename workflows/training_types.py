@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from workflows.types import RolloutInput
+
 
 @dataclass
 class TrainingInput:
@@ -16,6 +18,10 @@ class TrainingInput:
     heartbeat_timeout_s: float = 10.0   # a rank's host silent this long is lost: its rank migrates to a spare
     collective_timeout_s: float = 60.0  # one collective waiting this long fails the step (a hung peer)
     run_timeout_s: float = 24 * 3600.0
+    # after export: publish the weights (upload, sign: the publish worker) and start this rollout, one
+    # durable chain. Its manifest is left unset: publishing sets it. Checked before any rank starts.
+    rollout: RolloutInput | None = None
+    publish_chunk_size: int = 64 << 20
 
 
 @dataclass
@@ -57,6 +63,25 @@ class ExportInput:
 
 
 @dataclass
+class PublishExport:
+    """What the publish worker uploads and signs: the export directory (on a volume it reaches)."""
+    source: str
+    model: str
+    version: str
+    origin: dict                        # {endpoint, bucket, prefix}
+    chunk_size: int
+
+
+@dataclass
+class PublishedExport:
+    version_id: str                     # SHA-256 of the signed manifest body
+    key: str                            # the signed manifest's object key under the prefix
+    bytes: int
+    files: int
+    already_there: bool                 # a retried publish found the same bytes already published
+
+
+@dataclass
 class Recovery:
     attempt: int                        # the attempt that failed
     rank: int
@@ -69,7 +94,8 @@ class Recovery:
 @dataclass
 class TrainingStatus:
     run: str
-    phase: str                          # placing | running | recovering | paused | exporting | done | failed | aborted
+    phase: str                          # preflight | placing | running | recovering | paused | exporting |
+                                        # publishing | rolling out | done | failed | aborted
     attempt: int
     ranks: list[str]                    # host of each rank
     spares: list[str]
@@ -80,6 +106,8 @@ class TrainingStatus:
     final_loss: float | None = None     # held-out loss of the final weights
     export_dir: str = ""
     detail: str = ""
+    version_id: str = ""                # the published manifest's id (with a rollout)
+    rollout_id: str = ""                # the child RolloutWorkflow
 
 
 @dataclass
@@ -89,3 +117,6 @@ class TrainingResult:
     final_loss: float | None
     recoveries: list[Recovery]
     export_dir: str
+    version_id: str = ""
+    rollout_id: str = ""
+    rollout_ready: list[str] = field(default_factory=list)     # hosts serving the trained weights

@@ -6,6 +6,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 CONTROL_QUEUE = "weightcast-control"
+PUBLISH_QUEUE = "weightcast-publish"      # the publish worker: the only one holding the signing key
 HEX64 = re.compile(r"^[0-9a-f]{64}\Z")
 INLINE_MANIFEST_MAX = 256 * 1024          # inline manifests only for small checkpoints (legacy input)
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")   # model, version and host ids (go into workflow ids)
@@ -15,6 +16,11 @@ def _within(v, low: float, high: float, integer: bool = False) -> bool:
     """A real number (bools and strings from hand-written JSON are not) in [low, high]."""
     kinds = int if integer else (int, float)
     return isinstance(v, kinds) and not isinstance(v, bool) and low <= v <= high
+
+
+def rollout_id(model: str, version: str) -> str:
+    """One rollout per (model, version): its workflow id."""
+    return f"rollout-{model}-{version}"
 
 
 def host_queue(host_id: str) -> str:
