@@ -79,8 +79,10 @@ class TrainingActivities:
             raise
         if proc.returncode != 0:
             tail = [ln for ln in last_lines(d / "rank.log", 3) if ln.strip()]
-            raise ApplicationError(f"rank {inp.rank} on {self.host_id} exited with {proc.returncode}: "
-                                   + " | ".join(tail), type="RankFailed", non_retryable=True)
+            how = (f"was killed by {signal.Signals(-proc.returncode).name}" if proc.returncode < 0
+                   else f"exited with {proc.returncode}")
+            raise ApplicationError(f"rank {inp.rank} on {self.host_id} {how}" + (": " + " | ".join(tail) if tail else ""),
+                                   type="RankFailed", non_retryable=True)
         rec = json.loads((d / f"rank{inp.rank}.json").read_text())
         return TrainRankResult(inp.rank, rec["next_step"], rec["first_step"], rec["held_out_loss"], rec["save_stall_s"],
                                rec["paused"])

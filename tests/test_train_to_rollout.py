@@ -11,13 +11,13 @@ from pathlib import Path
 import aiohttp
 import pytest
 import torch
-from safetensors.torch import load_file
 from temporalio.client import WorkflowFailureError
 
 from peerd.signing import generate_keypair
 from serving.model import init_model
 from tests.training_fixtures import CONFIG, progress, until
 from training.config import TrainConfig
+from training.export import read_export
 from weightcast.stack.embedded import EmbeddedStack
 from weightcast.training_runs import start_training
 from workers import publish_worker
@@ -60,11 +60,7 @@ async def test_trained_weights_roll_out_through_one_durable_chain(tmp_path, seaw
         assert len(result.version_id) == 64
         # every host now answers with the trained weights: the export's, not the initial ones
         cfg = TrainConfig.from_dict(inp.config)
-        trained = init_model(cfg.model, cfg.seed)
-        state = {}
-        for f in sorted(Path(inp.export_dir).glob("*.safetensors")):
-            state.update(load_file(f))
-        trained.load_state_dict(state)
+        trained = read_export(Path(inp.export_dir), cfg.model)
         ids = [[1, 2, 3, 4, 5]]
         with torch.no_grad():
             want = trained(torch.tensor(ids))[:, -1, :16]

@@ -72,7 +72,7 @@ async def test_a_killed_rank_restarts_from_the_newest_checkpoint_with_the_same_l
     result, st = await run_training(tmp_path, keys, kill_rank)
     assert len(result.recoveries) == 1
     rec = result.recoveries[0]
-    assert rec.rank == 1 and rec.host == "t1" and rec.action == "restart on t1" and "exited with -9" in rec.reason
+    assert rec.rank == 1 and rec.host == "t1" and rec.action == "restart on t1" and "was killed by SIGKILL" in rec.reason
     assert st.phase == "done" and st.ranks == ["t0", "t1"] and st.attempt == 1
     # resumed from a complete checkpoint (15, or 10 if 15's save was still in flight), not from step 0
     resumed = progress(tmp_path, "t0", 0)["first_step"]

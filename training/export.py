@@ -4,9 +4,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from serving.checkpoint import write_model
-from serving.model import init_model
+from serving.model import ModelConfig, TinyTransformer, init_model
 from training.checkpoint import Checkpointer, latest
 from training.config import ConfigError, TrainConfig
 from workflows.training_types import ExportInput
@@ -25,3 +26,13 @@ def export_checkpoint(inp: ExportInput) -> Path:
     model.load_state_dict(state["model"])
     with torch.no_grad():
         return write_model(Path(inp.export_dir), model, cfg.model, version=inp.version)
+
+
+def read_export(export_dir: Path, config: ModelConfig, seed: int = 0) -> TinyTransformer:
+    """The model an export holds (every safetensors shard), e.g. to check what the fleet answers."""
+    model = init_model(config, seed)
+    state: dict = {}
+    for f in sorted(Path(export_dir).glob("*.safetensors")):
+        state.update(load_file(f))
+    model.load_state_dict(state, strict=True)
+    return model.eval()

@@ -270,8 +270,9 @@ async def _enter_pressed() -> None:
 def cmd_demo(a) -> int:
     from weightcast.demo import run_demo
     print(f"weightcast demo: Temporal dev server + SeaweedFS + {a.hosts} hosts (peerd, model server, host worker) "
-          f"+ router on 127.0.0.1; a ~{a.size >> 20} MiB transformer; links limited to {a.rate / 2**20:.0f} MiB/s",
-          file=sys.stderr)
+          f"+ router on 127.0.0.1; a ~{a.size >> 20} MiB transformer"
+          + (f" trained for {a.train_steps} steps" if a.train_steps else "")
+          + f"; links limited to {a.rate / 2**20:.0f} MiB/s", file=sys.stderr)
     bar = Progress("rollout")
     # keep the stack up for a person at a terminal (or with --keep); CI and pipes exit on their own
     keep = a.keep or (sys.stdin.isatty() and not os.environ.get("CI"))
@@ -279,7 +280,9 @@ def cmd_demo(a) -> int:
     async def hold(res: dict) -> None:
         bar.close()
         print(json.dumps(res, indent=1))
-        print("OK: rolled out through Temporal, verified on every host, loaded, smoke-tested, answering "
+        trained = ("OK: trained through Temporal (a rank killed mid-run and recovered from a checkpoint), exported, "
+                   "published and " if "training" in res else "OK: ")
+        print(trained + "rolled out through Temporal, verified on every host, loaded, smoke-tested, answering "
               "through the router" if res["ok"] else "FAILED", file=sys.stderr)
         if keep:
             print(f"\nThe stack is still up. Temporal UI: {res['temporal_ui']}\n"
@@ -287,7 +290,8 @@ def cmd_demo(a) -> int:
                   "Press Enter (or Ctrl-C) to stop it.", file=sys.stderr)
             await _enter_pressed()
 
-    res = asyncio.run(run_demo(a.hosts, a.size, a.rate, lambda t, d, n, phase: bar(t, d, n), a.keep_ui, hold=hold))
+    res = asyncio.run(run_demo(a.hosts, a.size, a.rate, lambda t, d, n, phase: bar(t, d, n), a.keep_ui, hold=hold,
+                               train_steps=a.train_steps))
     return 0 if res["ok"] else 1
 
 
@@ -779,6 +783,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--hosts", type=int, default=4)
     d.add_argument("--size", type=parse_size, default=parse_size("48M"))
     d.add_argument("--rate", type=parse_rate, default=parse_rate("16M"))
+    d.add_argument("--train-steps", type=int, default=30,
+                   help="train this many steps first (one rank killed halfway) and roll out the result; 0: roll out "
+                        "a random checkpoint")
     d.add_argument("--keep-ui", type=float, default=0.0, help="seconds to keep the stack (and UI) up at the end")
     d.add_argument("--keep", action="store_true",
                    help="keep the stack up until Enter/Ctrl-C (the default at a terminal; not under CI=true)")

@@ -1,13 +1,16 @@
-"""`weightcast demo` (what `make demo` runs): a real rollout end to end, on loopback.
+"""`weightcast demo` (what `make demo` runs): training and a real rollout end to end, on loopback.
 
-1. writes a real checkpoint of the reference transformer (sharded safetensors + smoke material);
-2. starts the embedded stack: the Temporal dev server (UI on), SeaweedFS, N hosts (peerd + model
+1. starts the embedded stack: the Temporal dev server (UI on), SeaweedFS, N hosts (peerd + model
    server + host worker, links rate-limited), the router and the control worker;
-3. publishes the checkpoint the way CI does (`weightcast publish`: upload, sign, start the rollout)
-   and shows RolloutWorkflow's progress: manifest → distribute (swarm) → verify → staged
-   load (smoke-tested) → traffic steps;
-4. sends an inference request through the router and checks the answer against the reference
-   weights, then prints the Temporal UI link to the rollout.
+2. trains the reference transformer as a durable TrainingWorkflow on two hosts, kills one rank
+   mid-run (it is recovered from the newest complete checkpoint), exports the weights, and the same
+   workflow has a publish worker upload and sign them and starts their rollout (weightcast/demo_training.py).
+   With ``train_steps=0`` it writes a random checkpoint and publishes it the way CI does instead
+   (`weightcast publish`: upload, sign, start the rollout);
+3. shows RolloutWorkflow's progress: manifest → distribute (swarm) → verify → staged load
+   (smoke-tested) → traffic steps;
+4. sends an inference request through the router and checks the answer against the weights that were
+   rolled out (the trained export), then prints the Temporal UI links.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from peerd.origin import OriginSpec
 from peerd.signing import generate_keypair
 from serving.checkpoint import write_checkpoint
 from serving.model import ModelConfig, init_model
+from weightcast.demo_training import PrologueFailed, train_then_roll_out
 from weightcast.publish import PublishRequest, publish_and_start
 from weightcast.stack.embedded import EmbeddedStack
 from weightcast.stack.seaweed import ACCESS_KEY, SECRET_KEY
@@ -38,25 +42,44 @@ class DemoFailed(RuntimeError):
 
 
 async def run_demo(hosts: int, size: int, rate: float, progress=None, keep_ui_s: float = 0.0, ui: bool = True,
-                   step_wait_s: float = 0.5, deadline_s: float | None = None, hold=None) -> dict:
+                   step_wait_s: float = 0.5, deadline_s: float | None = None, hold=None, train_steps: int = 0,
+                   say=None) -> dict:
     """``hold(result)``: awaited with the result before the stack is torn down, so the printed Temporal
-    UI link and the CLI work against the live stack until it returns (the CLI waits for Enter)."""
+    UI link and the CLI work against the live stack until it returns (the CLI waits for Enter).
+    ``train_steps``: train that many steps first and roll out the result (0: a random checkpoint)."""
+    if hosts < 2 and train_steps:
+        raise DemoFailed("the training prologue runs two ranks on two hosts: give --hosts 2 or more, or --train-steps 0")
     work = Path(tempfile.mkdtemp(prefix="wc-demo-"))
     mcfg, seed = ModelConfig.for_size(size), 7
     version = f"v{uuid.uuid4().hex[:6]}"       # a fresh version each run: a second `make demo` works too
-    stack = None
+    say = say or (lambda line: print(line, file=sys.stderr))
+    stack, training = None, None
     try:
-        src = write_checkpoint(work / "ckpt", mcfg, seed, shard_bytes=16 << 20, version=version)
         generate_keypair(work / "key.pem", work / "key.pub")
         stack = await EmbeddedStack(work / "stack", work / "key.pub", [f"h{i}" for i in range(hosts)],
                                     rate=rate, ui=ui).start()
-        req = PublishRequest(src, "demo", version, work / "key.pem",
-                             OriginSpec(stack.s3.endpoint, stack.s3.bucket, f"demo/{version}"),
-                             chunk_size=1 << 20, access_key=ACCESS_KEY, secret_key=SECRET_KEY)
         loop = asyncio.get_running_loop()
-        t0 = loop.time()      # from `publish` (upload + sign + start) to every host serving
-        pub = await publish_and_start(stack.client, req, stack.hosts, router=stack.router_addr,
-                                      step_wait_s=step_wait_s)
+        if train_steps:
+            limit = 300 + 10 * train_steps
+            try:
+                trained = await asyncio.wait_for(train_then_roll_out(
+                    stack, work, work / "key.pem", "demo", version, mcfg, train_steps,
+                    {"router": stack.router_addr, "step_wait_s": step_wait_s}, say), limit)
+            except (asyncio.TimeoutError, PrologueFailed) as e:
+                raise DemoFailed(json.dumps({"training": str(e) or f"not done within {limit} s",
+                                             "dead": _dead_parts(stack)})) from None
+            t0 = loop.time()      # from the rollout's start (training, export and publish are done)
+            pub = {"workflow_id": trained.rollout_id, "version_id": trained.version_id, "bytes": trained.bytes}
+            reference, training = trained.model, trained.report
+        else:
+            src = write_checkpoint(work / "ckpt", mcfg, seed, shard_bytes=16 << 20, version=version)
+            req = PublishRequest(src, "demo", version, work / "key.pem",
+                                 OriginSpec(stack.s3.endpoint, stack.s3.bucket, f"demo/{version}"),
+                                 chunk_size=1 << 20, access_key=ACCESS_KEY, secret_key=SECRET_KEY)
+            t0 = loop.time()      # from `publish` (upload + sign + start) to every host serving
+            pub = await publish_and_start(stack.client, req, stack.hosts, router=stack.router_addr,
+                                          step_wait_s=step_wait_s)
+            reference = init_model(mcfg, seed)
         handle = stack.client.get_workflow_handle(pub["workflow_id"])
         print(f"rollout {handle.id} started; Temporal UI: {stack.ui_url(handle.id)}", file=sys.stderr)
         t_started = loop.time()
@@ -82,18 +105,21 @@ async def run_demo(hosts: int, size: int, rate: float, progress=None, keep_ui_s:
             async with s.post(f"{stack.router_addr}/v1/models/demo/infer", json={"input_ids": ids}) as r:
                 answer = await r.json()
         with torch.no_grad():
-            want = init_model(mcfg, seed)(torch.tensor(ids))[:, -1, :16]
+            want = reference(torch.tensor(ids))[:, -1, :16]
         correct = r.status == 200 and bool(torch.allclose(torch.tensor(answer["logits_head"]), want, atol=1e-4))
         if keep_ui_s:
             await asyncio.sleep(keep_ui_s)
         res = {"workflow_id": handle.id, "temporal_ui": stack.ui_url(handle.id), "temporal": stack.temporal_addr,
                "rollout_s": round(elapsed, 2),
-                "publish_s": round(t_started - t0, 2), "phase_seconds": st.phase_seconds,
+                "publish_s": None if training else round(t_started - t0, 2), "phase_seconds": st.phase_seconds,
                 "swarm_s": round(max(j["finished"] for j in jobs) - min(j["started"] for j in jobs), 2),
                 "bytes": pub["bytes"], "hosts_ready": result["ready"], "traffic": result["traffic"],
                 "inference": {"routed_host": answer.get("routed_host"), "model_version": answer.get("model_version"),
                               "matches_reference_weights": correct},
                 "ok": correct and len(result["ready"]) == hosts}
+        if training is not None:
+            res["training"] = training
+            res["ok"] = res["ok"] and len(training["recoveries"]) >= 1
         if hold is not None:
             await hold(res)
         return res

@@ -109,6 +109,8 @@ class TrainingWorkflow:
                 raise ApplicationError(f"aborted: {self._abort}", type="Aborted", non_retryable=True)
             st.phase = "running"
             results = await self._attempt(inp, st)
+            if results is not None:
+                st.resumed_from.append(results[0].first_step)
             if self._abort is not None:
                 continue
             if results is not None and results[0].steps >= total:

@@ -102,7 +102,7 @@ class TrainingStatus:
     total_steps: int = 0
     tokens_per_step: int = 0
     recoveries: list[Recovery] = field(default_factory=list)
-    resumed_from: list[int] = field(default_factory=list)   # first step of each attempt
+    resumed_from: list[int] = field(default_factory=list)   # first step of each attempt that ran to its end
     final_loss: float | None = None     # held-out loss of the final weights
     export_dir: str = ""
     detail: str = ""
