@@ -250,3 +250,51 @@ async def test_without_a_spare_a_silent_hosts_rank_waits_for_its_host_to_return(
     assert [r.action for r in result.recoveries][:1] == ["restart on t1"]
     assert result.steps == 40
     assert result.final_loss == pytest.approx(uninterrupted, rel=1e-5, abs=1e-6)
+
+
+async def test_a_corrupt_or_partial_checkpoint_is_refused_and_the_previous_one_used(tmp_path, keys, uninterrupted):
+    async with await WorkflowEnvironment.start_local(dev_server_existing_path=temporal_binary(),
+                                                     search_attributes=SEARCH_ATTRIBUTES) as env:
+        procs = await hosts(env, tmp_path, ["t0", "t1"])
+        try:
+            ckpt = tmp_path / "shared" / "ckpt"
+            async with control_worker.build(env.client, [keys["pub_path"]]):
+                h = await env.client.start_workflow(TrainingWorkflow.run, TrainingInput(
+                    run="bad", config=TrainConfig.load(None, CONFIG).to_dict(), hosts=["t0", "t1"],
+                    checkpoint_dir=str(ckpt), checkpoint_every=5), id="train-bad", task_queue=CONTROL_QUEUE)
+                await until(lambda: progress(tmp_path, "t0", 0).get("step", 0) >= 12)
+                await h.execute_update(TrainingWorkflow.pause, "test: corrupt the newest checkpoint")
+                await until(lambda: progress(tmp_path, "t0", 0).get("first_step") is not None
+                            and (ckpt / f"step-{progress(tmp_path, 't0', 0)['step']:08d}" / "complete.json").exists())
+                for _ in range(600):
+                    if (await h.query(TrainingWorkflow.status)).phase == "paused":
+                        break
+                    await asyncio.sleep(0.05)
+                stopped = progress(tmp_path, "t0", 0)["step"]
+                newest = ckpt / f"step-{stopped:08d}"
+                shard = max(newest.glob("*.distcp"), key=lambda f: f.stat().st_size)
+                data = bytearray(shard.read_bytes())
+                data[len(data) // 2] ^= 0xFF                     # same size, one bit pattern changed
+                shard.write_bytes(bytes(data))
+                partial = ckpt / f"step-{stopped + 1:08d}"       # a save that never finished: no marks
+                partial.mkdir()
+                (partial / "__0_0.distcp").write_bytes(b"\0" * 1024)
+                previous = max(int(p.name[5:]) for p in ckpt.glob("step-*") if int(p.name[5:]) < stopped
+                               and (p / "complete.json").exists())
+                await h.execute_update(TrainingWorkflow.resume, "test: resume")
+                result = await asyncio.wait_for(h.result(), 180)
+                st = await h.query(TrainingWorkflow.status)
+        finally:
+            for p in procs.values():
+                p.stop()
+    # the corrupt and the partial checkpoint were refused; training went on from the one before
+    assert st.resumed_from == [0, previous] and result.recoveries == []
+    # the ranks split the hashing: the one that hashed the bad shard names it, the other defers to it
+    logs = [next((tmp_path / h / "train" / "bad").glob(f"attempt-1/rank{r}/rank.log")).read_text()
+            for r, h in enumerate(["t0", "t1"])]
+    assert any(f"step-{stopped:08d} refused (files changed or missing since the save: {shard.name})" in log
+               for log in logs)
+    assert all(f"step-{stopped:08d} refused" in log and f"step-{stopped + 1:08d} refused (not marked complete" in log
+               for log in logs)
+    assert result.steps == 40
+    assert result.final_loss == pytest.approx(uninterrupted, rel=1e-5, abs=1e-6)

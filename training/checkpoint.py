@@ -1,11 +1,14 @@
 """Durable training checkpoints: sharded (``torch.distributed.checkpoint``), asynchronous with one in
 flight, and complete only once marked.
 
-Layout: ``<root>/step-<n>/`` holds DCP's shard files and ``.metadata``; ``complete.json`` (written by
-rank 0 once its save future resolves, which DCP resolves only after every rank's shards and the
-metadata are written) records the step, the world size and each file's SHA-256. A directory without
-the mark, or whose files no longer match it, is refused and the previous complete one is used. DCP
-loads at any world size (replicated DDP state is stored once; sharded state is resharded on load).
+Layout: ``<root>/step-<n>/`` holds DCP's shard files and ``.metadata``. When its save finishes, each
+rank hashes only the files it wrote (``__<rank>_*.distcp``; rank 0 also ``.metadata``) and writes
+``digests-<rank>.json``: at hundreds of GB the hashing is spread over the ranks instead of one rank
+re-reading everything. ``complete.json`` merges them (step, world size, each file's size and SHA-256);
+rank 0 writes it once every rank's digests are there (or a later resume does, from the same files).
+A directory without the mark, or whose files no longer match it, is refused and the previous complete
+one is used; on resume the ranks verify a share of the files each and agree on the newest good one.
+DCP loads at any world size (replicated DDP state is stored once; sharded state is resharded on load).
 """
 from __future__ import annotations
 
@@ -14,11 +17,13 @@ import json
 import logging
 import os
 import shutil
+import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
@@ -37,45 +42,87 @@ def step_dir(root: Path, step: int) -> Path:
     return root / f"step-{step:08d}"
 
 
-def _digests(path: Path) -> dict[str, str]:
-    out = {}
-    for f in sorted(path.iterdir()):
-        if f.is_file() and f.name != MARK:
-            h = hashlib.sha256()
-            with open(f, "rb") as fh:
-                for block in iter(lambda: fh.read(1 << 20), b""):
-                    h.update(block)
-            out[f.name] = h.hexdigest()
-    return out
+def _sha256(f: Path) -> str:
+    h = hashlib.sha256()
+    with open(f, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
-def mark_complete(path: Path, step: int, world_size: int) -> None:
+def _own_files(path: Path, rank: int) -> list[Path]:
+    """The files this rank's save wrote (DCP's file system writer names them __<rank>_<n>.distcp)."""
+    return sorted(path.glob(f"__{rank}_*.distcp")) + ([path / ".metadata"] if rank == 0 else [])
+
+
+def write_digests(path: Path, rank: int, world_size: int) -> None:
+    """This rank's share of the completion mark: the size and SHA-256 of each file it wrote."""
+    files = {f.name: [f.stat().st_size, _sha256(f)] for f in _own_files(path, rank)}
+    tmp = path / f"digests-{rank}.json.tmp"
+    tmp.write_text(json.dumps({"rank": rank, "world_size": world_size, "files": files}))
+    os.replace(tmp, path / f"digests-{rank}.json")
+
+
+def try_mark(path: Path, step: int) -> bool:
+    """Merge every rank's digests into the completion mark once all are there; True when marked."""
+    if (path / MARK).exists():
+        return True
+    try:
+        parts = [json.loads(f.read_text()) for f in sorted(path.glob("digests-*.json"))]
+    except (OSError, ValueError):
+        return False                        # one still being replaced: next time
+    if not parts or len(parts) != parts[0]["world_size"]:
+        return False
+    files: dict = {}
+    for p in parts:
+        files.update(p["files"])
     tmp = path / (MARK + ".tmp")
-    tmp.write_text(json.dumps({"step": step, "world_size": world_size, "files": _digests(path)}))
+    tmp.write_text(json.dumps({"step": step, "world_size": parts[0]["world_size"], "files": files}))
     os.replace(tmp, path / MARK)
+    return True
 
 
-def check(path: Path) -> str | None:
-    """Why this checkpoint cannot be used, or None if it is complete and intact."""
+def _step_of(path: Path) -> int:
+    return int(path.name.removeprefix("step-"))
+
+
+def check(path: Path, share: tuple[int, int] = (0, 1)) -> str | None:
+    """Why this checkpoint cannot be used, or None if it is complete and intact. ``share`` (i, n): hash
+    only every n-th file from the i-th (the ranks split the work); sizes and presence are checked for all."""
+    if not (path / MARK).exists():
+        try_mark(path, _step_of(path))      # every rank's digests written, the mark not yet merged
     try:
         mark = json.loads((path / MARK).read_text())
     except FileNotFoundError:
         return "not marked complete (a save that did not finish)"
     except (OSError, ValueError) as e:
         return f"unreadable completion mark: {e}"
-    if ".metadata" not in mark.get("files", {}):
+    files = mark.get("files", {})
+    if ".metadata" not in files:
         return "no DCP metadata recorded"
-    got = _digests(path)
-    bad = sorted(n for n, d in mark["files"].items() if got.get(n) != d)
+    bad = []
+    for i, (name, (size, digest)) in enumerate(sorted(files.items())):
+        f = path / name
+        if not f.is_file() or f.stat().st_size != size:
+            bad.append(name)
+        elif i % share[1] == share[0] and _sha256(f) != digest:
+            bad.append(name)
     return f"files changed or missing since the save: {', '.join(bad)}" if bad else None
 
 
-def latest(root: Path) -> Complete | None:
-    """The newest complete, intact checkpoint; broken ones are logged and skipped."""
+def latest(root: Path, group=None) -> Complete | None:
+    """The newest complete, intact checkpoint; broken ones are logged and skipped. With ``group`` (every
+    rank calls it) each rank hashes a share of the files and all agree on the newest good one."""
     if not root.is_dir():
         return None
+    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
     for path in sorted(root.glob("step-*"), reverse=True):
-        why = check(path)
+        why = check(path, (rank, world))
+        if group is not None:               # one bad file anywhere refuses it for every rank
+            flag = torch.tensor([0 if why is None else 1])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+            if flag.item() and why is None:
+                why = "another rank found a file changed or missing"
         if why is None:
             return Complete(int(json.loads((path / MARK).read_text())["step"]), path)
         log.warning("checkpoint %s refused (%s); trying the previous one", path.name, why,
@@ -93,11 +140,13 @@ class Checkpointer:
         # training group they would interleave with DDP's all-reduces and hang both
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         self.pending: tuple[Future, int, Path] | None = None
+        self.unmarked: list[tuple[int, Path]] = []      # saved; rank 0 marks once every rank's digests are in
+        self.lock = threading.Lock()
         self.last_complete: int | None = None
 
     def save(self, step: int, state: dict, asynchronous: bool = True) -> float:
         t0 = time.perf_counter()
-        self.wait()
+        self.wait(mark_timeout_s=0)         # the previous save on disk; its mark may follow later
         path = step_dir(self.root, step)
         if asynchronous:
             fut = dcp.async_save(state, checkpoint_id=path, process_group=self.group)
@@ -110,25 +159,44 @@ class Checkpointer:
             self._finished(step, path)
         return time.perf_counter() - t0
 
-    def wait(self) -> None:
-        """Block until the save in flight (if any) is on disk and marked."""
-        if self.pending is None:
-            return
-        fut, _, _ = self.pending
-        self.pending = None
-        fut.result()                        # raises if the save failed; the callback has marked it
+    def wait(self, mark_timeout_s: float = 120.0) -> None:
+        """Block until the save in flight (if any) is on disk, and on rank 0 until it is marked (every
+        rank's digests written)."""
+        if self.pending is not None:
+            fut, _, _ = self.pending
+            self.pending = None
+            fut.result()                    # raises if the save failed; the callback wrote our digests
+        deadline = time.monotonic() + mark_timeout_s
+        self._mark()
+        while self.unmarked and time.monotonic() < deadline:
+            time.sleep(0.01)
+            self._mark()
 
     def poll(self) -> None:
-        """Mark the save in flight if it has finished, without blocking."""
+        """Finish the save in flight and mark what can be marked, without blocking."""
         if self.pending is not None and self.pending[0].done():
-            self.wait()
+            self.wait(mark_timeout_s=0)
+        self._mark()
 
     def _finished(self, step: int, path: Path) -> None:
-        if self.rank == 0 and not (path / MARK).exists():
-            mark_complete(path, step, self.world)
-            for old in sorted(self.root.glob("step-*"))[:-self.keep]:
-                shutil.rmtree(old, ignore_errors=True)
-        self.last_complete = step
+        write_digests(path, self.rank, self.world)
+        with self.lock:
+            self.unmarked.append((step, path))
+        self._mark()
+
+    def _mark(self) -> None:
+        """Rank 0 merges the completion marks whose every rank's digests are written and drops old
+        checkpoints; every rank notes the newest marked one (``last_complete``, in its progress)."""
+        with self.lock:                     # the save's thread and the training loop both call this
+            while self.unmarked:
+                step, path = self.unmarked[0]
+                if not (try_mark(path, step) if self.rank == 0 else (path / MARK).exists()):
+                    return
+                self.unmarked.pop(0)
+                self.last_complete = step
+                if self.rank == 0:
+                    for old in sorted(self.root.glob("step-*"))[:-self.keep]:
+                        shutil.rmtree(old, ignore_errors=True)
 
     def load(self, path: Path, state: dict) -> None:
         dcp.load(state, checkpoint_id=path, process_group=self.group)

@@ -115,7 +115,7 @@ def run_rank(rank: int, cfg_dict: dict, out_dir: str, durable: dict | None = Non
             return {"model": msd, "optim": osd, "sampler": sampler.state_dict(), "rng": torch.get_rng_state()}
 
         ckpt = Checkpointer(Path(durable["checkpoints"]), rank, world)
-        found = latest(Path(durable["checkpoints"]))
+        found = latest(Path(durable["checkpoints"]), ckpt.group)
         if found:
             snap = train_state()
             ckpt.load(found.path, snap)
@@ -195,6 +195,7 @@ def run_rank(rank: int, cfg_dict: dict, out_dir: str, durable: dict | None = Non
     if durable:
         # the final (or paused-at) state, complete before the process reports success
         ckpt.save(sampler.next_step, train_state(), asynchronous=False)
+        ckpt.wait()                         # and marked complete (every rank's digests merged)
         if pipe is None and not paused:
             eval_loss = held_out_loss(core, cfg, device)
     # DDP hooks count every byte of gradient traffic; FSDP/TP/PP collectives are torch's own
