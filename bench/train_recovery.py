@@ -30,7 +30,7 @@ from training.config import TrainConfig
 from training.launch import launch
 from training.rank import held_out_loss
 
-MODEL = ["model.vocab=512", "model.d_model=128", "model.n_layers=4", "model.n_heads=4", "model.d_ff=512",
+MODEL = ["model.vocab=512", "model.d_model=384", "model.n_layers=4", "model.n_heads=4", "model.d_ff=1536",
          "model.max_seq=32", "seq_len=32", "global_batch=16", "lr=1e-3", "layout=ddp"]
 
 
@@ -157,23 +157,45 @@ async def _workflow(cfg: TrainConfig, root: Path, every: int, kill_at: int) -> d
                                         "rank 1 at the kill step")
                 killed_at = _progress(victim)["step"]
                 os.kill(_progress(victim)["pid"], signal.SIGKILL)
-                t_kill = time.monotonic()
+                t_kill, wall_kill = time.monotonic(), time.time()
                 again = [root / ids[0] / "train" / "bench" / "attempt-1" / "rank0" / "progress.json"]
                 t_back = await asyncio.to_thread(
                     _wait, lambda: (p := _progress(again)).get("step", -1) > p.get("first_step", 10**9), 300,
                     "the first step after recovery")
-                resumed = _progress(again)["first_step"]
+                back = _progress(again)
+                resumed = back["first_step"]
                 result = await asyncio.wait_for(h.result(), 600)
+                parts = _breakdown(await h.fetch_history(), wall_kill, back,
+                                   [_progress([root / i / "train" / "bench" / "attempt-1" / f"rank{r}" / "progress.json"])
+                                    for r, i in enumerate(ids)])
         finally:
             for p in procs:
                 p.stop()
     return {"recovery_s": round(t_back - t_kill, 3), "killed_at_step": killed_at, "resumed_from_step": resumed,
             "steps_recomputed": killed_at - resumed, "final_loss": result.final_loss,
-            "recoveries": [r.reason for r in result.recoveries]}
+            "recoveries": [r.reason for r in result.recoveries], "breakdown_s": parts}
 
 
-def run_train_recovery_bench(ranks: int, steps: int, kill_at: int, every: int) -> dict:
-    cfg = TrainConfig.load(None, [*MODEL, f"world_size={ranks}", f"steps={steps}"])
+def _breakdown(history, wall_kill: float, back: dict, ranks: list[dict]) -> dict:
+    """Where the recovery's seconds went: the kill reaching Temporal as a failed activity, the workflow
+    starting the next attempt's rank activities, the warm rank processes getting their spec, forming the
+    process group (waits for the slowest rank), loading the checkpoint, and the first step."""
+    failed = next(e.event_time.ToMicroseconds() / 1e6 for e in history.events
+                  if e.HasField("activity_task_failed_event_attributes"))
+    started = [e.event_time.ToMicroseconds() / 1e6 for e in history.events
+               if e.HasField("activity_task_started_event_attributes") and e.event_time.ToMicroseconds() / 1e6 > failed]
+    starts = [r["startup"] for r in ranks]
+    first_activity = min(started) if started else failed
+    spec = max(s["spec"] for s in starts)
+    group = max(s["group"] for s in starts)
+    loaded = back["startup"]["loaded"]
+    return {"failure_recorded": round(failed - wall_kill, 3), "next_attempt_started": round(first_activity - failed, 3),
+            "rank_spec_read": round(spec - first_activity, 3), "group_formed": round(group - spec, 3),
+            "checkpoint_loaded": round(loaded - group, 3), "first_step": round(back["t"] - loaded, 3)}
+
+
+def run_train_recovery_bench(ranks: int, steps: int, kill_at: int, every: int, overrides: list[str] = ()) -> dict:
+    cfg = TrainConfig.load(None, [*MODEL, *overrides, f"world_size={ranks}", f"steps={steps}"])
     cfg.check()
     if not 0 < kill_at < steps:
         raise ValueError(f"--kill-at must be inside the run (1..{steps - 1})")
@@ -191,6 +213,7 @@ def run_train_recovery_bench(ranks: int, steps: int, kill_at: int, every: int) -
         r["final_loss_matches"] = abs(r["final_loss"] - reference) <= 1e-5 * abs(reference) + 1e-6
     a, s = statistics.median(async_stalls), statistics.median(sync_stalls)
     return {"ranks": ranks, "steps": steps, "checkpoint_every": every, "kill_at": kill_at,
+            "weights_mib": round(cfg.model.param_count() * 4 / 2**20, 2),
             "step_s_median": round(plain["step_s_median"], 4), "uninterrupted_final_loss": reference,
             "workflow": ours, "torchrun": base,
             "recovery_over_torchrun": round(ours["recovery_s"] / base["recovery_s"], 3),

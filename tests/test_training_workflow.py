@@ -27,7 +27,6 @@ from workflows.training_types import TrainingInput
 from workflows.types import CONTROL_QUEUE
 from tests.training_fixtures import CONFIG, hosts, progress, until
 
-pytestmark = pytest.mark.asyncio
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     """The held-out loss of the same run's final weights, trained in one go by `weightcast train run`."""
@@ -298,3 +297,21 @@ async def test_a_corrupt_or_partial_checkpoint_is_refused_and_the_previous_one_u
                for log in logs)
     assert result.steps == 40
     assert result.final_loss == pytest.approx(uninterrupted, rel=1e-5, abs=1e-6)
+
+
+def test_bench_train_recovery_reports_both_recoveries_side_by_side(capsys):
+    from weightcast.cli import main
+    rc = main(["bench", "train-recovery", "--ranks", "2", "--steps", "16", "--kill-at", "9", "--every", "4",
+               "--set", "model.d_model=64", "--set", "model.d_ff=128", "--json"])
+    r = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    for who in ("workflow", "torchrun"):
+        # both resumed from the checkpoint at 8 (or 4 if 8's save was still in flight), same final weights
+        assert r[who]["killed_at_step"] >= 9 and r[who]["resumed_from_step"] in (4, 8) and r[who]["final_loss_matches"]
+        assert r[who]["recovery_s"] > 0
+    assert r["recovery_over_torchrun"] == round(r["workflow"]["recovery_s"] / r["torchrun"]["recovery_s"], 3)
+    parts = r["workflow"]["breakdown_s"]
+    assert set(parts) == {"failure_recorded", "next_attempt_started", "rank_spec_read", "group_formed",
+                          "checkpoint_loaded", "first_step"}
+    assert sum(parts.values()) == pytest.approx(r["workflow"]["recovery_s"], abs=0.3)
+    assert 0 < r["save_stall_s"]["async_median"] and 0 < r["save_stall_s"]["sync_median"]

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 log = logging.getLogger("weightcast.training.checkpoint")
 
@@ -131,8 +132,10 @@ def latest(root: Path, group=None) -> Complete | None:
 
 
 class Checkpointer:
-    """One rank's side of checkpointing. ``save`` returns the time training was blocked: DCP stages
-    the state (a copy) and writes it in a background thread; a second save first waits for the first."""
+    """One rank's side of checkpointing. An asynchronous save returns at once: DCP copies the state
+    (staging) and writes it in background threads. The copy must finish before the weights change, so
+    the training loop calls ``before_update`` ahead of each optimiser step; the copy overlaps the next
+    forward and backward. A second save first waits for the first to be on disk."""
 
     def __init__(self, root: Path, rank: int, world_size: int, keep: int = 3):
         self.root, self.rank, self.world, self.keep = root, rank, world_size, keep
@@ -140,6 +143,8 @@ class Checkpointer:
         # training group they would interleave with DDP's all-reduces and hang both
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         self.pending: tuple[Future, int, Path] | None = None
+        self.staging: Future | None = None
+        self._stager = None
         self.unmarked: list[tuple[int, Path]] = []      # saved; rank 0 marks once every rank's digests are in
         self.lock = threading.Lock()
         self.last_complete: int | None = None
@@ -149,7 +154,8 @@ class Checkpointer:
         self.wait(mark_timeout_s=0)         # the previous save on disk; its mark may follow later
         path = step_dir(self.root, step)
         if asynchronous:
-            fut = dcp.async_save(state, checkpoint_id=path, process_group=self.group)
+            resp = dcp.async_save(state, checkpoint_id=path, process_group=self.group, async_stager=self.stager())
+            self.staging, fut = resp.staging_completion, resp.upload_completion
             # marked from the save's own thread the moment it finishes, so a rank that dies a step
             # later still leaves it usable
             fut.add_done_callback(lambda f: f.exception() is None and self._finished(step, path))
@@ -159,9 +165,28 @@ class Checkpointer:
             self._finished(step, path)
         return time.perf_counter() - t0
 
+    def stager(self) -> DefaultStager:
+        """One background copier for the run (pinned host memory when the state is on a GPU)."""
+        if self._stager is None:
+            cuda = torch.cuda.is_available()
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                        use_async_staging=True, use_non_blocking_copy=cuda))
+        return self._stager
+
+    def before_update(self) -> float:
+        """Block until the save in flight has its copy of the state: call before changing the weights.
+        Returns the seconds blocked (part of that save's stall)."""
+        if self.staging is None:
+            return 0.0
+        t0 = time.perf_counter()
+        self.staging.result()
+        self.staging = None
+        return time.perf_counter() - t0
+
     def wait(self, mark_timeout_s: float = 120.0) -> None:
         """Block until the save in flight (if any) is on disk, and on rank 0 until it is marked (every
         rank's digests written)."""
+        self.before_update()
         if self.pending is not None:
             fut, _, _ = self.pending
             self.pending = None

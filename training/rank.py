@@ -82,6 +82,8 @@ def run_rank(rank: int, cfg_dict: dict, out_dir: str, durable: dict | None = Non
     rank rewrites after every step). The rank resumes from the newest complete checkpoint."""
     cfg = TrainConfig.from_dict(cfg_dict)
     world = cfg.world_size
+    # where a (re)start spends its time, in the progress file: spec read, group formed, state loaded
+    startup = {"spec": durable.get("t_spec", time.time())} if durable else {}
     device = device_for(rank)
     if device.type == "cpu":         # ranks share the machine's cores: no oversubscription
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
@@ -91,8 +93,10 @@ def run_rank(rank: int, cfg_dict: dict, out_dir: str, durable: dict | None = Non
         # through the TCP address its workflow handed out, with a bound on any one collective
         init = durable["init_method"] if durable else f"file://{Path(out_dir, 'rendezvous').resolve()}"
         timeout = timedelta(seconds=durable.get("collective_timeout_s", 60)) if durable else None
+        startup["join"] = time.time()
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
                                 init_method=init, **({"timeout": timeout} if timeout else {}))
+    startup["group"] = time.time()
     place = placement(cfg, rank)
     model = init_model(cfg.model, cfg.seed).train().to(device)     # the same initial weights on every rank
     state = CommState(cfg.comm, place.dp_size, cfg.topk_ratio, cfg.powersgd_rank)
@@ -114,23 +118,29 @@ def run_rank(rank: int, cfg_dict: dict, out_dir: str, durable: dict | None = Non
             msd, osd = get_state_dict(pipe.module if pipe else model, opt)
             return {"model": msd, "optim": osd, "sampler": sampler.state_dict(), "rng": torch.get_rng_state()}
 
+        startup["model"] = time.time()
         ckpt = Checkpointer(Path(durable["checkpoints"]), rank, world)
+        startup["ckpt_group"] = time.time()
         found = latest(Path(durable["checkpoints"]), ckpt.group)
+        startup["verified"] = time.time()
         if found:
             snap = train_state()
+            startup["state"] = time.time()
             ckpt.load(found.path, snap)
+            startup["read"] = time.time()
             set_state_dict(pipe.module if pipe else model, opt, model_state_dict=snap["model"],
                            optim_state_dict=snap["optim"])
             sampler.load_state_dict(snap["sampler"])
             torch.set_rng_state(snap["rng"])
             start = ckpt.last_complete = sampler.next_step
+        startup["loaded"] = time.time()
     losses, sent, step_s, samples = [], [], [], []
 
     def report(step: int, loss: float | None, seconds: float | None) -> None:
         _write_progress(Path(durable["progress"]), {
             "step": step, "loss": loss, "step_s": seconds, "last_checkpoint": ckpt.last_complete,
             "first_step": start, "save_stall_s": sum(stalls), "saves": len(stalls), "t": time.time(),
-            "pid": os.getpid()})
+            "pid": os.getpid(), "startup": startup})
     paused, seen = False, 0
     if durable:
         report(start, None, None)                     # resumed (or started): the supervisor sees where
@@ -167,6 +177,8 @@ def run_rank(rank: int, cfg_dict: dict, out_dir: str, durable: dict | None = Non
                     loss_t.backward()
                 reduce_after_backward(core, state)
             loss = mean_loss.item()
+        if ckpt is not None and ckpt.staging is not None:   # a background save's copy must be done first
+            stalls[-1] += ckpt.before_update()
         opt.step()
         if outer and (step + 1) % cfg.sync_every == 0:
             outer.sync()
@@ -186,7 +198,9 @@ def run_rank(rank: int, cfg_dict: dict, out_dir: str, durable: dict | None = Non
             if ctl and ctl.checkpoint_seq > seen:          # checkpoint-now from the operator
                 seen, due = ctl.checkpoint_seq, True
             if due and step + 1 < cfg.steps and not (ctl and ctl.pause):
-                stalls.append(ckpt.save(step + 1, train_state(), asynchronous=not durable.get("synchronous")))
+                t_save = time.perf_counter()       # the stall: collecting the state and handing it over
+                ckpt.save(step + 1, train_state(), asynchronous=not durable.get("synchronous"))
+                stalls.append(time.perf_counter() - t_save)
             report(step + 1, loss, step_s[-1])
             if ctl and ctl.pause and step + 1 < cfg.steps:
                 paused = True

@@ -173,7 +173,7 @@ def cmd_bench_train(a) -> int:
 
 def cmd_bench_train_recovery(a) -> int:
     from bench.train_recovery import run_train_recovery_bench
-    res = run_train_recovery_bench(a.ranks, a.steps, a.kill_at, a.every)
+    res = run_train_recovery_bench(a.ranks, a.steps, a.kill_at, a.every, a.set)
     print(json.dumps(res, indent=None if a.json else 1))
     return 0 if res["workflow"]["final_loss_matches"] else 1
 
@@ -645,6 +645,8 @@ def build_parser() -> argparse.ArgumentParser:
     btr.add_argument("--steps", type=positive_int, default=60)
     btr.add_argument("--kill-at", type=positive_int, default=33, help="SIGKILL rank 1 once it has finished this step")
     btr.add_argument("--every", type=positive_int, default=10, help="steps between checkpoints (both systems)")
+    btr.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                     help="TrainConfig overrides of the benchmark's model (default 28.6 MiB of weights)")
     btr.add_argument("--json", action="store_true")
     btr.set_defaults(fn=cmd_bench_train_recovery)
 
