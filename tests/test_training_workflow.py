@@ -315,3 +315,37 @@ def test_bench_train_recovery_reports_both_recoveries_side_by_side(capsys):
                           "checkpoint_loaded", "first_step"}
     assert sum(parts.values()) == pytest.approx(r["workflow"]["recovery_s"], abs=0.3)
     assert 0 < r["save_stall_s"]["async_median"] and 0 < r["save_stall_s"]["sync_median"]
+
+
+async def test_with_min_world_size_a_lost_host_without_a_spare_shrinks_the_run(tmp_path, keys, uninterrupted):
+    async with await WorkflowEnvironment.start_local(dev_server_existing_path=temporal_binary(),
+                                                     search_attributes=SEARCH_ATTRIBUTES) as env:
+        procs = await hosts(env, tmp_path, ["t0", "t1"])
+        try:
+            inp = TrainingInput(run="shrink", config=TrainConfig.load(None, CONFIG).to_dict(), hosts=["t0", "t1"],
+                                checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=5, heartbeat_timeout_s=4.0,
+                                collective_timeout_s=20.0, min_world_size=1)
+            async with control_worker.build(env.client, [keys["pub_path"]]):
+                h = await env.client.start_workflow(TrainingWorkflow.run, inp, id="train-shrink",
+                                                    task_queue=CONTROL_QUEUE)
+                await until(lambda: progress(tmp_path, "t1", 1).get("step", 0) >= 12)
+                procs["t1"].proc.kill()                 # gone for good: no spare to migrate to
+                result = await asyncio.wait_for(h.result(), 180)
+                st = await h.query(TrainingWorkflow.status)
+        finally:
+            for p in procs.values():
+                p.stop()
+    assert [r.action for r in result.recoveries][:1] == ["shrink to 1 rank"]
+    assert st.ranks == ["t0"] and result.steps == 40
+    # one rank now takes the whole global batch: the same samples per step, so the same training
+    assert progress(tmp_path, "t0", 0)["first_step"] >= 10
+    assert result.final_loss == pytest.approx(uninterrupted, rel=1e-5, abs=1e-6)
+
+
+def test_shrinking_keeps_the_global_batch_divisible():
+    from workflows.training import TrainingWorkflow as W
+    inp = TrainingInput(run="x", config={"global_batch": 16, "layout": "ddp"}, hosts=[], checkpoint_dir="",
+                        min_world_size=2)
+    assert W._shrunk(inp, ["a", "b", "c", "d"], 1) == (["a", "c"], ["d"])      # 3 does not divide 16: 2, d spare
+    assert W._shrunk(inp, ["a", "b"], 0) is None                             # 1 is below the minimum
+    assert W._shrunk(TrainingInput(**{**inp.__dict__, "min_world_size": 0}), ["a", "b", "c"], 0) is None

@@ -165,6 +165,20 @@ class Checkpointer:
             self._finished(step, path)
         return time.perf_counter() - t0
 
+    def set_aside_after(self, step: int) -> None:
+        """On resume from ``step``: move every newer step directory (refused or cut short) out of the
+        way before this attempt saves into the same names — a stale rank's files or digests must not
+        mix with new ones. Rank 0 moves them (kept as ``set-aside-…`` for inspection); all wait."""
+        if self.rank == 0:
+            for path in sorted(self.root.glob("step-*")):
+                if _step_of(path) > step:
+                    aside = self.root / f"set-aside-{path.name}-{time.time_ns()}"
+                    os.replace(path, aside)
+                    log.warning("checkpoint %s set aside as %s: newer than the one resumed from (%d)", path.name,
+                                aside.name, step, extra={"path": str(aside), "resumed_from": step})
+        if self.group is not None:
+            dist.barrier(group=self.group)
+
     def stager(self) -> DefaultStager:
         """One background copier for the run (pinned host memory when the state is on a GPU)."""
         if self._stager is None:

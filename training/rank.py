@@ -133,6 +133,7 @@ def run_rank(rank: int, cfg_dict: dict, out_dir: str, durable: dict | None = Non
             sampler.load_state_dict(snap["sampler"])
             torch.set_rng_state(snap["rng"])
             start = ckpt.last_complete = sampler.next_step
+        ckpt.set_aside_after(start)
         startup["loaded"] = time.time()
     losses, sent, step_s, samples = [], [], [], []
 

@@ -391,7 +391,8 @@ def cmd_train(a) -> int:
         inp = TrainingInput(run=a.run, config=cfg.to_dict(), hosts=[h for h in a.hosts.split(",") if h],
                             checkpoint_dir=str(a.checkpoint_dir.resolve()), checkpoint_every=a.checkpoint_every,
                             export_dir=str(a.export.resolve()) if a.export else "",
-                            rollout=_training_rollout(a), publish_chunk_size=a.chunk_size)
+                            rollout=_training_rollout(a), publish_chunk_size=a.chunk_size,
+                            min_world_size=a.min_world_size)
         check_training(inp)
 
     async def go():
@@ -731,6 +732,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--checkpoint-dir", type=Path, required=True, help="a directory every host reaches")
             p.add_argument("--checkpoint-every", type=int, default=10, help="steps between async checkpoints")
             p.add_argument("--export", type=Path, help="write the finished weights here (safetensors + smoke)")
+            p.add_argument("--min-world-size", type=int, default=0,
+                           help="a lost host with no spare left: go on with fewer data-parallel ranks, down to "
+                                "this many (0, the default: wait for the host to return)")
             ro_ = p.add_argument_group("roll the trained weights out (needs --export and a publish worker)")
             ro_.add_argument("--roll-out", type=Path, metavar="FLEET",
                              help='fleet inventory JSON [{"id", "model_server", "rack"}, ...]: after export, publish '

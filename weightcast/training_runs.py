@@ -34,6 +34,11 @@ def check_training(inp: TrainingInput) -> None:
         raise ConfigError("a host is listed twice: one rank per host")
     if cfg.layout not in ("single", "ddp"):
         raise ConfigError(f"durable runs support layouts single and ddp for now, not {cfg.layout!r}")
+    if not 0 <= inp.min_world_size <= cfg.world_size:
+        raise ConfigError(f"min_world_size {inp.min_world_size} must be in [0, world_size {cfg.world_size}] "
+                          "(0: never shrink, wait for a lost host)")
+    if inp.min_world_size and cfg.layout != "ddp":
+        raise ConfigError("shrinking on host loss (min_world_size) needs layout ddp")
     if inp.checkpoint_every < 1:
         raise ConfigError("checkpoint_every must be at least 1 step")
     if inp.rollout is not None:

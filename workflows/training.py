@@ -199,13 +199,25 @@ class TrainingWorkflow:
                                    non_retryable=True) from None
         return list(result.get("ready", []))
 
+    @staticmethod
+    def _shrunk(inp: TrainingInput, ranks: list[str], failed: int) -> tuple[list[str], list[str]] | None:
+        """The ranks (and the surplus) to go on with after losing ``failed``, or None to wait for it:
+        the largest data-parallel degree of at least min_world_size that divides the global batch."""
+        if not inp.min_world_size or inp.config.get("layout", "ddp") not in ("ddp", "single"):
+            return None
+        survivors = [h for i, h in enumerate(ranks) if i != failed]
+        batch = int(inp.config.get("global_batch", 1))
+        fits = [w for w in range(len(survivors), 0, -1) if batch % w == 0 and w >= inp.min_world_size]
+        return (survivors[:fits[0]], survivors[fits[0]:]) if fits else None
+
     async def _attempt(self, inp: TrainingInput, st: TrainingStatus) -> list[TrainRankResult] | None:
         """One attempt of every rank; None after recording how to recover from its failure."""
         init = await workflow.execute_activity("rendezvous", inp.run, task_queue=host_queue(st.ranks[0]),
                                                start_to_close_timeout=timedelta(seconds=30),
                                                retry_policy=RetryPolicy(maximum_attempts=5))
+        config = dict(inp.config, world_size=len(st.ranks))      # fewer after a shrink
         handles = self._handles = [workflow.start_activity(
-            "train_rank", TrainRankInput(inp.run, r, inp.config, init, st.attempt, inp.checkpoint_dir,
+            "train_rank", TrainRankInput(inp.run, r, config, init, st.attempt, inp.checkpoint_dir,
                                          inp.checkpoint_every, inp.collective_timeout_s),
             result_type=TrainRankResult, task_queue=host_queue(host),
             start_to_close_timeout=timedelta(seconds=inp.run_timeout_s),
@@ -229,9 +241,15 @@ class TrainingWorkflow:
         err = handles[failed].exception()
         host = st.ranks[failed]
         silent = isinstance(err.__cause__, TimeoutError)
+        shrunk = self._shrunk(inp, st.ranks, failed) if silent and not st.spares else None
         if silent and st.spares:
             st.ranks[failed] = st.spares.pop(0)
             action = f"migrate to {st.ranks[failed]}"
+        elif shrunk is not None:
+            st.ranks, surplus = shrunk
+            st.spares += surplus
+            n = len(st.ranks)
+            action = f"shrink to {n} rank{'s' if n != 1 else ''}" + (f" ({', '.join(surplus)} now spare)" if surplus else "")
         else:
             action = f"restart on {host}"
         reason = "host silent (heartbeat timeout)" if silent else str(err.__cause__ or err)

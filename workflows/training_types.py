@@ -17,6 +17,10 @@ class TrainingInput:
     max_recoveries: int = 5
     heartbeat_timeout_s: float = 10.0   # a rank's host silent this long is lost: its rank migrates to a spare
     collective_timeout_s: float = 60.0  # one collective waiting this long fails the step (a hung peer)
+    # a silent host with no spare left: 0 waits for it to return (its rank restarts there); N > 0 goes
+    # on with fewer data-parallel ranks (the largest count, at least N, that divides the global batch:
+    # the same samples per step, so the same training), surplus healthy hosts becoming spares
+    min_world_size: int = 0
     run_timeout_s: float = 24 * 3600.0
     # after export: publish the weights (upload, sign: the publish worker) and start this rollout, one
     # durable chain. Its manifest is left unset: publishing sets it. Checked before any rank starts.
@@ -87,7 +91,7 @@ class Recovery:
     rank: int
     host: str
     reason: str
-    action: str                         # "restart on <host>" | "migrate to <host>"
+    action: str                         # "restart on <host>" | "migrate to <host>" | "shrink to <n> ranks"
     at: str                             # workflow time, ISO
 
 
