@@ -18,6 +18,7 @@ from pathlib import Path
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from training.archive_sync import Archiver
 from training.control import Control, write
 from weightcast.stack.processes import last_lines
 from workflows.training_types import ExportInput, RunControl, TrainRankInput, TrainRankResult
@@ -65,6 +66,9 @@ class TrainingActivities:
             "init_method": inp.init_method, "checkpoints": inp.checkpoint_dir, "every": inp.checkpoint_every,
             "progress": str(progress), "collective_timeout_s": inp.collective_timeout_s,
             "control": str(self._control(inp.run))}}))
+        archiver = Archiver(inp.archive, Path(inp.checkpoint_dir)) if inp.archive else None
+        if archiver:
+            await archiver.restore_if_newer()
         proc = await self._rank_process(spec, d / "rank.log")
         try:
             while True:
@@ -72,11 +76,19 @@ class TrainingActivities:
                     await asyncio.wait_for(proc.wait(), timeout=self.poll_s)
                     break
                 except asyncio.TimeoutError:
-                    activity.heartbeat(_compact(progress, proc.pid))
+                    beat = _compact(progress, proc.pid)
+                    if archiver and inp.rank == 0:
+                        archiver.archive_soon()
+                        beat["archived"] = archiver.archived
+                    activity.heartbeat(beat)
         except asyncio.CancelledError:
             _kill(proc.pid)
+            if archiver:
+                archiver.cancel()
             await proc.wait()
             raise
+        if archiver and inp.rank == 0 and proc.returncode == 0:
+            await archiver.archive_newest()         # the final state, before the run reports success
         if proc.returncode != 0:
             tail = [ln for ln in last_lines(d / "rank.log", 3) if ln.strip()]
             how = (f"was killed by {signal.Signals(-proc.returncode).name}" if proc.returncode < 0

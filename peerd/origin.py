@@ -97,6 +97,20 @@ class S3Origin:
             await self.put_file(p.relative_to(root).as_posix(), p)
         return [p.relative_to(root).as_posix() for p in paths]
 
+    async def download_file(self, path: str, local_path) -> int:
+        """Stream one object to a local file (any size); the bytes written."""
+        try:
+            resp = await self._client.get_object(Bucket=self.spec.bucket, Key=self.spec.key(path))
+        except Exception as e:  # botocore raises many types; all mean "origin read failed"
+            raise OriginError(f"origin read of {path} failed: {e}") from e
+        n = 0
+        with open(local_path, "wb") as f:
+            async with resp["Body"] as body:
+                while piece := await body.read(1 << 20):
+                    f.write(piece)
+                    n += len(piece)
+        return n
+
     async def read_object(self, path: str) -> bytes | None:
         """A whole (small) object under the prefix, or None when it does not exist."""
         try:

@@ -3,6 +3,7 @@ processes and rank processes they supervise. A rank killed mid-run, and a host w
 (its rank migrates to a spare), both recover from the newest complete checkpoint and end with the same
 loss as an uninterrupted run; the finished weights are exported for the model server."""
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -349,3 +350,41 @@ def test_shrinking_keeps_the_global_batch_divisible():
     assert W._shrunk(inp, ["a", "b", "c", "d"], 1) == (["a", "c"], ["d"])      # 3 does not divide 16: 2, d spare
     assert W._shrunk(inp, ["a", "b"], 0) is None                             # 1 is below the minimum
     assert W._shrunk(TrainingInput(**{**inp.__dict__, "min_world_size": 0}), ["a", "b", "c"], 0) is None
+
+
+async def test_a_lost_checkpoint_volume_is_restored_from_the_archive(tmp_path, keys, seaweed):
+    from peerd.origin import OriginSpec, S3Origin
+    from training.archive import newest_archived
+    from weightcast.stack.seaweed import ACCESS_KEY, SECRET_KEY
+    where = {"endpoint": seaweed.endpoint, "bucket": seaweed.bucket, "prefix": f"ckpt/{uuid.uuid4().hex[:8]}"}
+
+    async def archived() -> int:
+        async with S3Origin(OriginSpec(**where), ACCESS_KEY, SECRET_KEY) as o:
+            return await newest_archived(o) or 0
+
+    async with await WorkflowEnvironment.start_local(dev_server_existing_path=temporal_binary(),
+                                                     search_attributes=SEARCH_ATTRIBUTES) as env:
+        procs = await hosts(env, tmp_path, ["t0", "t1"], seaweed.env())
+        ckpt = tmp_path / "shared" / "ckpt"
+        try:
+            inp = TrainingInput(run="vol", config=TrainConfig.load(None, [*CONFIG, "steps=200"]).to_dict(),
+                                hosts=["t0", "t1"], checkpoint_dir=str(ckpt), checkpoint_every=5,
+                                heartbeat_timeout_s=4.0, collective_timeout_s=20.0, checkpoint_archive=where)
+            async with control_worker.build(env.client, [keys["pub_path"]]):
+                h = await env.client.start_workflow(TrainingWorkflow.run, inp, id="train-vol", task_queue=CONTROL_QUEUE)
+                for _ in range(600):                     # until the archive holds a checkpoint past step 10
+                    if await archived() >= 10:
+                        break
+                    await asyncio.sleep(0.1)
+                in_archive = await archived()
+                assert in_archive >= 10
+                os.replace(ckpt, tmp_path / "lost")      # the volume is lost (at once: ranks are writing)...
+                with contextlib.suppress(ProcessLookupError):   # ...and a rank with it (if the loss did not end it)
+                    os.kill(progress(tmp_path, "t1", 1)["pid"], signal.SIGKILL)
+                result = await asyncio.wait_for(h.result(), 240)
+        finally:
+            for p in procs.values():
+                p.stop()
+    assert len(result.recoveries) >= 1 and result.steps == 200
+    assert progress(tmp_path, "t0", 0)["first_step"] >= in_archive        # restored, not started over
+    assert await archived() == 200                                      # the final state is archived too

@@ -9,11 +9,12 @@ CONFIG = ["model.vocab=128", "model.d_model=32", "model.n_heads=2", "model.d_ff=
           "seq_len=16", "global_batch=8", "lr=3e-2", "layout=ddp", "world_size=2", "steps=40"]
 
 
-async def hosts(env, root: Path, ids) -> dict[str, ModuleProc]:
+async def hosts(env, root: Path, ids, s3_env: dict | None = None) -> dict[str, ModuleProc]:
     target = env.client.service_client.config.target_host
     procs = {i: ModuleProc(f"host-worker {i}", "workers.host_worker", root / i,
                            ["--id", i, "--temporal", target, "--store", str(root / i / "store"),
-                            "--train-dir", str(root / i / "train"), "--heartbeat-every", "0.5"]).launch()
+                            "--train-dir", str(root / i / "train"), "--heartbeat-every", "0.5"],
+                           env=s3_env or {}).launch()
              for i in ids}
     for p in procs.values():
         await asyncio.to_thread(p.wait_ready)

@@ -392,7 +392,7 @@ def cmd_train(a) -> int:
                             checkpoint_dir=str(a.checkpoint_dir.resolve()), checkpoint_every=a.checkpoint_every,
                             export_dir=str(a.export.resolve()) if a.export else "",
                             rollout=_training_rollout(a), publish_chunk_size=a.chunk_size,
-                            min_world_size=a.min_world_size)
+                            min_world_size=a.min_world_size, checkpoint_archive=_archive(a))
         check_training(inp)
 
     async def go():
@@ -413,6 +413,21 @@ def cmd_train(a) -> int:
         print(await h.execute_update(update, a.reason))
         return 0
     return asyncio.run(go())
+
+
+def _archive(a) -> dict | None:
+    """`train start --checkpoint-archive s3://bucket/prefix`: where complete checkpoints are copied."""
+    if not a.checkpoint_archive:
+        return None
+    from peerd.origin import OriginError, OriginSpec
+    endpoint = a.endpoint or os.environ.get("AWS_ENDPOINT_URL")
+    if not endpoint:
+        raise SystemExit("error: --checkpoint-archive needs --endpoint (or $AWS_ENDPOINT_URL)")
+    try:
+        spec = OriginSpec.parse_url(a.checkpoint_archive, endpoint)
+    except OriginError as e:
+        raise SystemExit(f"error: --checkpoint-archive: {e}") from None
+    return {"endpoint": spec.endpoint, "bucket": spec.bucket, "prefix": spec.prefix}
 
 
 def _training_rollout(a):
@@ -732,6 +747,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--checkpoint-dir", type=Path, required=True, help="a directory every host reaches")
             p.add_argument("--checkpoint-every", type=int, default=10, help="steps between async checkpoints")
             p.add_argument("--export", type=Path, help="write the finished weights here (safetensors + smoke)")
+            p.add_argument("--checkpoint-archive", metavar="s3://BUCKET/PREFIX",
+                           help="also copy every complete checkpoint here (endpoint: --endpoint or "
+                                "$AWS_ENDPOINT_URL); an attempt restores a newer one from it first")
             p.add_argument("--min-world-size", type=int, default=0,
                            help="a lost host with no spare left: go on with fewer data-parallel ranks, down to "
                                 "this many (0, the default: wait for the host to return)")

@@ -21,6 +21,9 @@ class TrainingInput:
     # on with fewer data-parallel ranks (the largest count, at least N, that divides the global batch:
     # the same samples per step, so the same training), surplus healthy hosts becoming spares
     min_world_size: int = 0
+    # {endpoint, bucket, prefix}: every complete checkpoint is also copied here (rank 0's host, in the
+    # background), and an attempt that finds a newer one here than on the volume restores it first
+    checkpoint_archive: dict | None = None
     run_timeout_s: float = 24 * 3600.0
     # after export: publish the weights (upload, sign: the publish worker) and start this rollout, one
     # durable chain. Its manifest is left unset: publishing sets it. Checked before any rank starts.
@@ -38,6 +41,7 @@ class TrainRankInput:
     checkpoint_dir: str
     checkpoint_every: int
     collective_timeout_s: float
+    archive: dict | None = None         # TrainingInput.checkpoint_archive
 
 
 @dataclass
