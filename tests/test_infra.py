@@ -15,13 +15,13 @@ from serving import router, server
 from training.config import TrainConfig
 from weightcast import cli
 from weightcast.publish import hosts_from_file
-from workers import control_worker, host_worker
+from workers import control_worker, host_worker, publish_worker
 
 REPO = Path(__file__).parent.parent
 INFRA = REPO / "infra"
 PARSERS = {"peerd": peerd_main.build_parser, "workers.host_worker": host_worker.build_parser,
            "workers.control_worker": control_worker.build_parser, "serving.server": server.build_parser,
-           "serving.router": router.build_parser}
+           "serving.router": router.build_parser, "workers.publish_worker": publish_worker.build_parser}
 
 
 def yaml_docs(path: Path) -> list:
@@ -84,6 +84,30 @@ def test_ci_example_trains_with_a_config_and_command_that_parse():
     assert a.fn is cli.cmd_train and a.sub == "start" and a.wait and a.export
     cfg = TrainConfig.load(REPO / a.config, a.set)        # the config file is real and valid
     assert cfg.world_size < len(a.hosts.split(","))       # a spare to migrate to
+
+
+def test_ci_example_chain_parses_and_checks_its_rollout():
+    """The one-job chain: a publish worker and `train start --roll-out`, both through the real parsers,
+    and the rollout it would start passes the same checks `train start` makes before connecting."""
+    from weightcast.training_runs import check_training
+    from workflows.training_types import TrainingInput
+    wf = yaml.safe_load((INFRA / "ci" / "train-and-roll-out.yml").read_text())
+    runs = [shlex.split(placeholders([s["run"]])[0]) for job in wf["jobs"].values() for s in job["steps"]
+            if "run" in s]
+    worker = next(r for r in runs if "workers.publish_worker" in r)
+    i = worker.index("workers.publish_worker")
+    assert publish_worker.build_parser().parse_args([a for a in worker[i + 1:] if a not in (">", "2>&1", "&")
+                                                     and not a.endswith(".log")]).key == Path("signing.pem")
+    train = next(r for r in runs if "train" in r and "start" in r)
+    a = cli.build_parser().parse_args(train[1:])
+    assert a.fn is cli.cmd_train and a.wait and a.roll_out == Path("infra/fleet/hosts.json")
+    cfg = TrainConfig.load(REPO / a.config, a.set)
+    a.endpoint = "https://s3.example.internal"                  # $AWS_ENDPOINT_URL in the job
+    inp = TrainingInput(run=a.run, config=cfg.to_dict(), hosts=a.hosts.split(","), checkpoint_dir=str(a.checkpoint_dir),
+                        export_dir=str(a.export), rollout=cli._training_rollout(a), min_world_size=a.min_world_size,
+                        checkpoint_archive=cli._archive(a))
+    check_training(inp)                                         # raises on anything it would refuse
+    assert inp.rollout.model == "llm" and inp.checkpoint_archive["bucket"] == "weights"
 
 
 def exported_metric_names() -> set[str]:

@@ -28,24 +28,28 @@ from workflows.training_types import TrainingInput
 from workflows.types import CONTROL_QUEUE
 from tests.training_fixtures import CONFIG, hosts, progress, until
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
+def plain_loss(out: Path, overrides=()) -> float:
     """The held-out loss of the same run's final weights, trained in one go by `weightcast train run`."""
-    cfg = TrainConfig.load(None, CONFIG)
-    out = tmp_path_factory.mktemp("plain") / "run"
+    cfg = TrainConfig.load(None, [*CONFIG, *overrides])
     launch(cfg, out)
     model = init_model(cfg.model, cfg.seed)
     model.load_state_dict(torch.load(out / "model.pt"))
     return held_out_loss(model, cfg, torch.device("cpu"))
 
 
-async def run_training(tmp_path, keys, fault):
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    return plain_loss(tmp_path_factory.mktemp("plain") / "run")
+
+
+async def run_training(tmp_path, keys, fault, overrides=()):
     async with await WorkflowEnvironment.start_local(dev_server_existing_path=temporal_binary(),
                                                      search_attributes=SEARCH_ATTRIBUTES) as env:
         procs = await hosts(env, tmp_path, ["t0", "t1", "t2"])
         try:
             run = uuid.uuid4().hex[:6]
-            inp = TrainingInput(run=run, config=TrainConfig.load(None, CONFIG).to_dict(), hosts=["t0", "t1", "t2"],
+            inp = TrainingInput(run=run, config=TrainConfig.load(None, [*CONFIG, *overrides]).to_dict(),
+                                hosts=["t0", "t1", "t2"],
                                 checkpoint_dir=str(tmp_path / "shared" / "ckpt"), checkpoint_every=5,
                                 export_dir=str(tmp_path / "export"), heartbeat_timeout_s=4.0,
                                 collective_timeout_s=20.0)
@@ -82,6 +86,21 @@ async def test_a_killed_rank_restarts_from_the_newest_checkpoint_with_the_same_l
     assert result.final_loss == pytest.approx(uninterrupted, rel=1e-5, abs=1e-6)
     smoke = json.loads((tmp_path / "export" / SMOKE).read_text())
     assert smoke["version"] == result.run and len(smoke["expected"]) == 2
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+async def test_sharded_layouts_recover_from_their_sharded_checkpoints(tmp_path, keys, layout):
+    """FSDP shards parameters and optimiser state, TP splits the weights: both save shards and resume
+    from them, ending where the uninterrupted run of the same layout ends."""
+    async def kill_rank(procs):
+        await until(lambda: progress(tmp_path, "t1", 1).get("step", 0) >= 17)
+        os.kill(progress(tmp_path, "t1", 1)["pid"], signal.SIGKILL)
+
+    result, st = await run_training(tmp_path, keys, kill_rank, [f"layout={layout}"])
+    assert [r.action for r in result.recoveries] == ["restart on t1"] and result.steps == 40
+    assert progress(tmp_path, "t0", 0)["first_step"] in (10, 15)
+    assert result.final_loss == pytest.approx(plain_loss(tmp_path / "plain", [f"layout={layout}"]), rel=1e-5, abs=1e-6)
+    assert json.loads((tmp_path / "export" / SMOKE).read_text())["version"] == result.run   # exported whole
 
 
 async def test_a_silent_host_loses_its_rank_to_a_spare(tmp_path, keys, uninterrupted):

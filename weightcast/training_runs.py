@@ -14,6 +14,7 @@ from workflows.training import TrainingWorkflow
 from workflows.training_types import TrainingInput
 from workflows.types import CONTROL_QUEUE, ManifestRef
 
+DURABLE_LAYOUTS = ("single", "ddp", "fsdp", "tp", "fsdp_tp")     # pp: its stages' state is not checkpointed yet
 RUN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
 
@@ -32,8 +33,8 @@ def check_training(inp: TrainingInput) -> None:
                           f"({', '.join(inp.hosts) or 'none'}): add hosts or lower world_size")
     if len(set(inp.hosts)) != len(inp.hosts):
         raise ConfigError("a host is listed twice: one rank per host")
-    if cfg.layout not in ("single", "ddp"):
-        raise ConfigError(f"durable runs support layouts single and ddp for now, not {cfg.layout!r}")
+    if cfg.layout not in DURABLE_LAYOUTS:
+        raise ConfigError(f"durable runs support layouts {', '.join(DURABLE_LAYOUTS)} for now, not {cfg.layout!r}")
     if not 0 <= inp.min_world_size <= cfg.world_size:
         raise ConfigError(f"min_world_size {inp.min_world_size} must be in [0, world_size {cfg.world_size}] "
                           "(0: never shrink, wait for a lost host)")
