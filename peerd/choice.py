@@ -64,3 +64,15 @@ def source_scores(holds: np.ndarray, same_rack: np.ndarray, mine_inflight: np.nd
     if rate_rank is not None:
         score += 2.0 * rate_rank
     return np.where(holds, score, -np.inf)
+
+
+def cross_rack_ok(dist: np.ndarray, n: np.ndarray, age: np.ndarray, grace_s: float, rescue_s: float) -> np.ndarray:
+    """May a host pull these chunks from another rack? ``dist``: the host's distance, in its rack's
+    stripe over live members (``n`` of them), from each chunk's importer. The importer (0) may at once;
+    the backup (n // 2) after ``grace_s`` since the chunk was first seen; after ``rescue_s`` (importer
+    and backup dead, cut off or without a remote source) the first 2, 4, 8, ... members, doubling every
+    ``grace_s``, so a rack of 500 does not pull 500 copies across its uplink at once."""
+    later = np.maximum(age - rescue_s, 0.0)
+    width = np.where(age >= rescue_s, np.exp2(1.0 + np.floor(later / grace_s)), 0.0)
+    return (dist == 0) | ((dist == n // 2) & (age >= grace_s)) | (dist < width)
+

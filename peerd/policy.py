@@ -18,7 +18,7 @@ from statistics import median
 
 import numpy as np
 
-from peerd.choice import origin_order, rank_window, source_scores, tiebreak_params
+from peerd.choice import cross_rack_ok, origin_order, rank_window, source_scores, tiebreak_params
 
 ORIGIN = "<origin>"
 
@@ -39,7 +39,7 @@ class PolicyConfig:
     busy_backoff_s: float = 0.05   # a peer at its upload limit is retried soon
     max_errors: int = 3            # consecutive errors before a peer is declared dead
     rack_grace_s: float = 2.0      # a chunk's backup importer in each rack waits this long before pulling cross-rack
-    rack_rescue_s: float = 10.0    # after this any host may pull it across racks (importers dead or cut off)
+    rack_rescue_s: float = 10.0    # after this 2, 4, 8... rack members may pull it across racks, doubling every rack_grace_s
     max_cross_rack_peers: int = 12  # peers in other racks tracked at once (rack-local imports keep uplinks at ~2 copies a chunk)
     plan_size: int = 64            # chunks ranked per re-plan
     window: int = 1024             # ranked among the lowest missing chunks: a bounded spread of
@@ -124,11 +124,10 @@ class SwarmPolicy:
         self.origin_mask = (idx % len(live) == live.index(self.me)) if self.me in live else np.zeros(self.n_chunks, bool)
         racks = self._live(self.rack_members)
         if self.me in racks and len(racks) > 1:
-            n, me = len(racks), racks.index(self.me)
-            self.import_mask = (idx % n) == me                  # the chunk's importer in this rack
-            self.backup_mask = ((idx % n) + n // 2) % n == me    # and its backup, after the grace
+            self.rack_n = len(racks)
+            self.rack_dist = (racks.index(self.me) - idx) % self.rack_n   # 0: the chunk's importer here
         else:
-            self.import_mask = self.backup_mask = np.ones(self.n_chunks, bool)
+            self.rack_n, self.rack_dist = 1, np.zeros(self.n_chunks, np.int64)   # no rack: always allowed
         self._dirty = True
 
     # ------------------------------------------------------------ events
@@ -362,13 +361,11 @@ class SwarmPolicy:
 
     def _cross_ok(self, chunks: np.ndarray, now: float) -> np.ndarray:
         """May these chunks come from another rack? Each chunk has one importer and one backup in
-        every rack (stripes over the rack's live members): the importer may at once, the backup
-        once ``rack_grace_s`` has passed since a peer was first seen with the chunk, anyone after
-        ``rack_rescue_s``. The rest of the rack gets it from inside: at most about two copies of
-        a chunk cross into a rack."""
-        age = now - self.first_seen[chunks]
-        return (self.import_mask[chunks] | (self.backup_mask[chunks] & (age >= self.config.rack_grace_s))
-                | (age >= self.config.rack_rescue_s))
+        every rack (stripes over the rack's live members), widening after ``rack_rescue_s``
+        (``choice.cross_rack_ok``). The rest of the rack gets it from inside: about two copies of a
+        chunk cross into a rack."""
+        return cross_rack_ok(self.rack_dist[chunks], self.rack_n, now - self.first_seen[chunks],
+                             self.config.rack_grace_s, self.config.rack_rescue_s)
 
     def _origin_chunks(self, now: float) -> list[int]:
         """The next chunks of this host's origin stripe that no live peer holds: near the front of

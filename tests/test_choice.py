@@ -75,3 +75,10 @@ def test_max_min_rates_share_links_fairly_and_fill_them():
     r = max_min_rates(src, dst, np.ones(50), np.ones(50))
     assert (np.bincount(src, r, 50) <= 1 + 1e-9).all() and (np.bincount(dst, r, 50) <= 1 + 1e-9).all()
     assert np.bincount(dst, r, 50).mean() > 0.9                            # and nearly full
+
+
+def test_cross_rack_importers_widen_by_doubling_after_the_rescue():
+    from peerd.choice import cross_rack_ok
+    dist = np.arange(500)                       # every member of a 500-host rack, by distance from the importer
+    allowed = [int(cross_rack_ok(dist, 500, np.full(500, age), 2.0, 10.0).sum()) for age in (0, 2, 9.9, 10, 12, 14, 26)]
+    assert allowed == [1, 2, 2, 3, 5, 9, 500]  # importer; + backup; + 2, 4, 8 ... first members; all 8 grace later

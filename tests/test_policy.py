@@ -57,12 +57,12 @@ def test_same_rack_preferred_and_cross_rack_striped():
     reqs = {r.chunk: r.source for r in p.next_requests(0)}
     assert reqs[0] == "near"
     # of the rest, only the chunks this host is designated to import come cross-rack now
-    assert set(reqs) - {0} == {c for c in range(1, 8) if p.import_mask[c]}
+    assert set(reqs) - {0} == {c for c in range(1, 8) if p.rack_dist[c] == 0}
     later = {r.chunk for r in p.next_requests(6)}       # after the grace, the rest too
     assert later == set(range(1, 8)) - set(reqs)
 
 
-def test_each_chunk_crosses_into_a_rack_through_its_importer_then_its_backup():
+def test_each_chunk_crosses_into_a_rack_through_its_importer_then_its_backup_then_a_widening_few():
     members = ("me", "x2", "x3", "x4")          # me is rank 0: importer of c % 4 == 0, backup of c % 4 == 2
     p = pol(16, rack="r1", rack_members=members,
             config=PolicyConfig(random_first=0, max_inflight=16, max_per_peer=16, rack_grace_s=2, rack_rescue_s=10))
@@ -72,8 +72,10 @@ def test_each_chunk_crosses_into_a_rack_through_its_importer_then_its_backup():
     grace = {r.chunk for r in p.next_requests(3)}
     assert grace == {c for c in range(16) if c % 4 == 2}
     assert p.next_requests(9) == []            # the other two ranks' chunks come from inside the rack ...
-    rescue = {r.chunk for r in p.next_requests(11)}
-    assert rescue == {c for c in range(16) if c % 2 == 1}   # ... unless nobody there has them by the rescue
+    # ... unless nobody there has them by the rescue: then 2, 4, ... members may, doubling every grace
+    # (me is 1 step from the importer of c % 4 == 3, 3 steps from that of c % 4 == 1)
+    assert {r.chunk for r in p.next_requests(11)} == {c for c in range(16) if c % 4 == 3}
+    assert {r.chunk for r in p.next_requests(13)} == {c for c in range(16) if c % 4 == 1}
 
 
 def test_a_full_uploader_is_not_asked_and_the_less_loaded_holder_is_preferred():

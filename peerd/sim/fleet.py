@@ -4,7 +4,7 @@ Every host runs peerd's decision rules, evaluated for all hosts at once through 
 functions in ``peerd/choice.py`` that ``SwarmPolicy`` calls with one row: rarest first (by the count
 of neighbours known to hold a chunk) inside a window of the lowest missing chunks with a per-host
 random tie-break; sources in the host's own rack first; across racks only for the host's import
-stripe, its backup stripe after ``rack_grace_s``, or anything after ``rack_rescue_s``; origin reads
+stripe, its backup stripe after ``rack_grace_s``, widening after ``rack_rescue_s``; origin reads
 striped over the seeders believed alive, only for chunks no neighbour is known to hold.
 
 A host knows only what peerd would know. Holdings arrive by bitmap pushes every ``have_interval``
@@ -26,7 +26,7 @@ from dataclasses import asdict
 
 import numpy as np
 
-from peerd.choice import origin_order, rank_window, source_scores, tiebreak_params
+from peerd.choice import cross_rack_ok, origin_order, rank_window, source_scores, tiebreak_params
 from peerd.sim.config import SimConfig, analytic_baselines
 from peerd.sim.fluid import rates_with_priority, scale_to_caps
 from peerd.sim.topology import build
@@ -194,12 +194,8 @@ class FleetSim:
     def _cross_ok(self, h: np.ndarray, c: np.ndarray, now: float) -> np.ndarray:
         """May host ``h`` pull chunk ``c`` from another rack (SwarmPolicy._cross_ok)?"""
         hh = h[:, None] if c.ndim == 2 else h
-        n, me = self.rack_size[hh], self.rack_rank[hh]
-        pos = c % n
-        age = now - self.seen[c]
-        pol = self.cfg.policy
-        return ((pos == me) | (((pos + n // 2) % n == me) & (age >= pol.rack_grace_s))
-                | (age >= pol.rack_rescue_s))
+        n, pol = self.rack_size[hh], self.cfg.policy
+        return cross_rack_ok((self.rack_rank[hh] - c) % n, n, now - self.seen[c], pol.rack_grace_s, pol.rack_rescue_s)
 
     def _pick_source(self, h: np.ndarray, holds: np.ndarray, now: float) -> tuple[np.ndarray, np.ndarray]:
         """For each host, the best neighbour among ``holds`` it would ask now: (position, found)."""
