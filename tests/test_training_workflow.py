@@ -244,33 +244,6 @@ async def test_ranks_train_on_while_the_temporal_server_is_down(tmp_path, keys):
         await env.shutdown()
 
 
-async def test_without_a_spare_a_silent_hosts_rank_waits_for_its_host_to_return(tmp_path, keys, uninterrupted):
-    async def kill_then_restart_host_worker(procs):
-        await until(lambda: progress(tmp_path, "t1", 1).get("step", 0) >= 12)
-        procs["t1"].proc.kill()
-        await asyncio.sleep(6.0)                 # past the 4 s heartbeat timeout: recovered "on t1"
-        await asyncio.to_thread(procs["t1"].start)
-
-    async with await WorkflowEnvironment.start_local(dev_server_existing_path=temporal_binary(),
-                                                     search_attributes=SEARCH_ATTRIBUTES) as env:
-        procs = await hosts(env, tmp_path, ["t0", "t1"])
-        try:
-            inp = TrainingInput(run="nospare", config=TrainConfig.load(None, CONFIG).to_dict(), hosts=["t0", "t1"],
-                                checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=5, heartbeat_timeout_s=4.0,
-                                collective_timeout_s=20.0)
-            async with control_worker.build(env.client, [keys["pub_path"]]):
-                h = await env.client.start_workflow(TrainingWorkflow.run, inp, id="train-nospare",
-                                                    task_queue=CONTROL_QUEUE)
-                await kill_then_restart_host_worker(procs)
-                result = await asyncio.wait_for(h.result(), 180)
-        finally:
-            for p in procs.values():
-                p.stop()
-    assert [r.action for r in result.recoveries][:1] == ["restart on t1"]
-    assert result.steps == 40
-    assert result.final_loss == pytest.approx(uninterrupted, rel=1e-5, abs=1e-6)
-
-
 async def test_a_corrupt_or_partial_checkpoint_is_refused_and_the_previous_one_used(tmp_path, keys, uninterrupted):
     async with await WorkflowEnvironment.start_local(dev_server_existing_path=temporal_binary(),
                                                      search_attributes=SEARCH_ATTRIBUTES) as env:
@@ -337,28 +310,37 @@ def test_bench_train_recovery_reports_both_recoveries_side_by_side(capsys):
     assert 0 < r["save_stall_s"]["async_median"] and 0 < r["save_stall_s"]["sync_median"]
 
 
-async def test_with_min_world_size_a_lost_host_without_a_spare_shrinks_the_run(tmp_path, keys, uninterrupted):
+@pytest.mark.parametrize("min_world_size", [0, 1], ids=["waits-for-its-host", "shrinks"])
+async def test_a_lost_host_without_a_spare(tmp_path, keys, uninterrupted, min_world_size):
+    """No spare left: by default the rank waits for its host to return and restarts there; with
+    min_world_size the run goes on with fewer data-parallel ranks. Either way the training is the same."""
     async with await WorkflowEnvironment.start_local(dev_server_existing_path=temporal_binary(),
                                                      search_attributes=SEARCH_ATTRIBUTES) as env:
         procs = await hosts(env, tmp_path, ["t0", "t1"])
         try:
-            inp = TrainingInput(run="shrink", config=TrainConfig.load(None, CONFIG).to_dict(), hosts=["t0", "t1"],
+            inp = TrainingInput(run="nospare", config=TrainConfig.load(None, CONFIG).to_dict(), hosts=["t0", "t1"],
                                 checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=5, heartbeat_timeout_s=4.0,
-                                collective_timeout_s=20.0, min_world_size=1)
+                                collective_timeout_s=20.0, min_world_size=min_world_size)
             async with control_worker.build(env.client, [keys["pub_path"]]):
-                h = await env.client.start_workflow(TrainingWorkflow.run, inp, id="train-shrink",
+                h = await env.client.start_workflow(TrainingWorkflow.run, inp, id="train-nospare",
                                                     task_queue=CONTROL_QUEUE)
                 await until(lambda: progress(tmp_path, "t1", 1).get("step", 0) >= 12)
-                procs["t1"].proc.kill()                 # gone for good: no spare to migrate to
+                procs["t1"].proc.kill()
+                if not min_world_size:
+                    await asyncio.sleep(6.0)         # past the 4 s heartbeat timeout: recovered "on t1"
+                    await asyncio.to_thread(procs["t1"].start)
                 result = await asyncio.wait_for(h.result(), 180)
                 st = await h.query(TrainingWorkflow.status)
         finally:
             for p in procs.values():
                 p.stop()
-    assert [r.action for r in result.recoveries][:1] == ["shrink to 1 rank"]
-    assert st.ranks == ["t0"] and result.steps == 40
-    # one rank now takes the whole global batch: the same samples per step, so the same training
-    assert progress(tmp_path, "t0", 0)["first_step"] >= 10
+    if min_world_size:
+        assert [r.action for r in result.recoveries][:1] == ["shrink to 1 rank"] and st.ranks == ["t0"]
+        # one rank now takes the whole global batch: the same samples per step
+        assert progress(tmp_path, "t0", 0)["first_step"] >= 10
+    else:
+        assert [r.action for r in result.recoveries][:1] == ["restart on t1"] and st.ranks == ["t0", "t1"]
+    assert result.steps == 40
     assert result.final_loss == pytest.approx(uninterrupted, rel=1e-5, abs=1e-6)
 
 

@@ -5,7 +5,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -15,6 +14,7 @@ from temporalio.worker import Worker
 
 from activities.host import HostActivities
 from activities.training import TrainingActivities
+from workers.stop_signal import stop_requested
 from workflows.types import host_queue
 
 
@@ -64,15 +64,12 @@ def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
 
     async def run():
-        stop = asyncio.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         client = await Client.connect(a.temporal, namespace=a.namespace)
         async with build(client, a.id, a.peerd, a.token, a.store, a.model_server, a.admin_token, a.heartbeat_every,
                          a.train_dir, a.advertise_host):
             if a.ready_file:
                 a.ready_file.write_text(json.dumps({"id": a.id, "task_queue": host_queue(a.id), "pid": os.getpid()}))
-            await stop.wait()   # SIGTERM/SIGINT: stop polling, cancel running activities (they resume on retry)
+            await stop_requested()
     asyncio.run(run())
     return 0
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
 import sys
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from temporalio.client import Client
 from temporalio.worker import Worker
 
 from activities.publish import PublishActivities
+from workers.stop_signal import stop_requested
 from workflows.types import PUBLISH_QUEUE
 
 
@@ -38,12 +38,9 @@ def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
 
     async def run():
-        stop = asyncio.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         client = await Client.connect(a.temporal, namespace=a.namespace)
         async with build(client, a.key):
-            await stop.wait()
+            await stop_requested()
     asyncio.run(run())
     return 0
 
