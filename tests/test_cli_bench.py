@@ -40,13 +40,13 @@ def test_demo_end_to_end():
         async with aiohttp.ClientSession() as s:
             async with s.get(res["temporal_ui"]) as r:
                 seen["ui_status"] = r.status
-    res = asyncio.run(run_demo(hosts=3, size=8 << 20, rate=32 << 20, progress=None, hold=hold, train_steps=12))
+    res = asyncio.run(run_demo(hosts=3, size=8 << 20, rate=32 << 20, progress=None, hold=hold, train_steps=24))
     assert seen["ui_status"] == 200
     assert res["ok"] and res["hosts_ready"] == ["h0", "h1", "h2"]
     assert res["inference"]["matches_reference_weights"] and res["traffic"] == {res["inference"]["model_version"]: 100}
     # the training prologue: a rank killed halfway, recovered, and the trained export is what answers
     t = res["training"]
-    assert t["steps"] == 12 and t["killed_rank_at_step"] >= 6 and len(t["recoveries"]) == 1
+    assert t["steps"] == 24 and t["killed_rank_at_step"] >= 12 and len(t["recoveries"]) == 1
     assert "rank 1 on h1" in t["recoveries"][0] and t["resumed_from"][-1] > 0
 
 

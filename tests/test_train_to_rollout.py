@@ -29,7 +29,7 @@ HOSTS = ["h0", "h1", "h2"]
 
 
 def chain_input(tmp: Path, stack: EmbeddedStack, seaweed, run: str, **kw) -> TrainingInput:
-    cfg = TrainConfig.load(None, [*CONFIG, "steps=30"]).to_dict()
+    cfg = TrainConfig.load(None, [*CONFIG, "steps=60"]).to_dict()
     rollout = RolloutInput("tiny", f"v-{run}", "", {"endpoint": seaweed.endpoint, "bucket": seaweed.bucket,
                                                      "prefix": f"train/{uuid.uuid4().hex[:8]}"},
                            hosts=list(stack.hosts), router=stack.router_addr, step_wait_s=0.2)
@@ -53,7 +53,7 @@ async def test_trained_weights_roll_out_through_one_durable_chain(tmp_path, seaw
             st = await h.query(TrainingWorkflow.status)
             if os.environ.get("WEIGHTCAST_RECORD_HISTORIES"):
                 (Path(__file__).parent / "histories" / f"{h.id}.json").write_text((await h.fetch_history()).to_json())
-        assert result.steps == 30 and len(result.recoveries) == 1 and st.phase == "done"
+        assert result.steps == 60 and len(result.recoveries) == 1 and st.phase == "done"
         assert result.rollout_id == "rollout-tiny-v-chain-golden" and sorted(result.rollout_ready) == HOSTS
         rollout = await stack.client.get_workflow_handle(result.rollout_id).describe()
         assert rollout.status.name == "COMPLETED" and rollout.parent_id == h.id     # the chain, in Temporal

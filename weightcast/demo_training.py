@@ -68,16 +68,20 @@ async def _train(stack: EmbeddedStack, inp: TrainingInput, cfg: TrainConfig, say
     while True:
         st = await h.query(TrainingWorkflow.status)
         p = _progress(stack.root, run)
-        if killed_at is None and p.get("step", 0) >= steps // 2 and st.phase == "running":
-            os.kill(p["pid"], signal.SIGKILL)
-            killed_at = p["step"]
-            say(f"  step {killed_at}: killed rank 1 (pid {p['pid']}) with SIGKILL; the workflow recovers it")
+        if killed_at is None and steps // 2 <= p.get("step", 0) < steps and st.phase == "running":
+            try:
+                os.kill(p["pid"], signal.SIGKILL)
+                killed_at = p["step"]
+                say(f"  step {killed_at}: killed rank 1 (pid {p['pid']}) with SIGKILL; the workflow recovers it")
+            except ProcessLookupError:          # it finished between the read and the kill: nothing to show
+                killed_at = -1
+                say("  rank 1 finished before it could be killed; no recovery to show")
         elif p.get("loss") is not None and p["step"] != last_said and p["step"] % max(1, steps // 6) == 0:
             say(f"  step {p['step']}/{steps} loss {p['loss']:.3f} (checkpoint {p.get('last_checkpoint')})")
         last_said = p.get("step", last_said)
         if st.rollout_id or st.phase in ("failed", "aborted", "done"):
             break
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.05)
     if not st.rollout_id:
         try:
             await h.result()
