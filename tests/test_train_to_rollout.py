@@ -102,7 +102,7 @@ def test_train_start_refuses_a_rollout_it_could_not_do_before_connecting(tmp_pat
             "--temporal", "127.0.0.1:1", *[f"--set={c}" for c in CONFIG],
             "--model", "m", "--bucket", "b", "--endpoint", "http://127.0.0.1:1"]
     assert main([*base, "--roll-out", str(fleet)]) == 2
-    assert "needs them exported: give --export" in capsys.readouterr().err
+    assert "needs the exported weights: give export_dir (--export DIR)" in capsys.readouterr().err
     assert main([*base, "--roll-out", str(fleet), "--export", str(tmp_path / "e"), "--router", "http://r"]) == 2
     assert "with a router every host needs its model_server address" in capsys.readouterr().err
     fleet.write_text("{not json")

@@ -6,13 +6,14 @@ training."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from pathlib import Path
 
+from botocore.exceptions import BotoCoreError, ClientError
+
 from peerd.origin import OriginError, OriginSpec, S3Origin
 from training.archive import archive, newest_archived, restore
-from training.checkpoint import MARK
+from training.checkpoint import MARK, step_of
 
 log = logging.getLogger("weightcast.training.archive")
 
@@ -39,9 +40,14 @@ class Archiver:
                 log.warning("checkpoint archive unreadable (%s): resuming from the volume only", e)
                 return
             local = newest_marked(self.root)
-            if step is not None and (local is None or int(local.name[5:]) < step):
-                self.root.mkdir(parents=True, exist_ok=True)
+            if step is None or (local is not None and step_of(local) >= step):
+                return
+            self.root.mkdir(parents=True, exist_ok=True)
+            try:
                 await restore(o, step, self.root)
+            except (OriginError, BotoCoreError, ClientError, OSError, ValueError) as e:
+                log.warning("archived checkpoint step-%08d not restored (%s): resuming from the volume only",
+                            step, e, extra={"step": step})
 
     def archive_soon(self) -> None:
         """Start copying the newest complete checkpoint unless it is archived or an upload is running."""
@@ -67,7 +73,6 @@ class Archiver:
             await self._upload(newest)
 
     async def _upload(self, path: Path) -> None:
-        json.loads((path / MARK).read_text())      # still there (retention may have removed it): else raise
         async with S3Origin(self.spec) as o:
             await o.ensure_bucket()
             await archive(o, path)

@@ -77,13 +77,13 @@ def try_mark(path: Path, step: int) -> bool:
     files: dict = {}
     for p in parts:
         files.update(p["files"])
-    tmp = path / (MARK + ".tmp")
+    tmp = path / f"{MARK}.{os.getpid()}.tmp"     # on resume every rank may merge at once: no shared tmp
     tmp.write_text(json.dumps({"step": step, "world_size": parts[0]["world_size"], "files": files}))
     os.replace(tmp, path / MARK)
     return True
 
 
-def _step_of(path: Path) -> int:
+def step_of(path: Path) -> int:
     return int(path.name.removeprefix("step-"))
 
 
@@ -91,7 +91,7 @@ def check(path: Path, share: tuple[int, int] = (0, 1)) -> str | None:
     """Why this checkpoint cannot be used, or None if it is complete and intact. ``share`` (i, n): hash
     only every n-th file from the i-th (the ranks split the work); sizes and presence are checked for all."""
     if not (path / MARK).exists():
-        try_mark(path, _step_of(path))      # every rank's digests written, the mark not yet merged
+        try_mark(path, step_of(path))      # every rank's digests written, the mark not yet merged
     try:
         mark = json.loads((path / MARK).read_text())
     except FileNotFoundError:
@@ -171,7 +171,7 @@ class Checkpointer:
         mix with new ones. Rank 0 moves them (kept as ``set-aside-…`` for inspection); all wait."""
         if self.rank == 0:
             for path in sorted(self.root.glob("step-*")):
-                if _step_of(path) > step:
+                if step_of(path) > step:
                     aside = self.root / f"set-aside-{path.name}-{time.time_ns()}"
                     os.replace(path, aside)
                     log.warning("checkpoint %s set aside as %s: newer than the one resumed from (%d)", path.name,

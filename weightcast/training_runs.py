@@ -11,8 +11,8 @@ from temporalio.converter import DataConverter
 
 from training.config import ConfigError, TrainConfig
 from workflows.training import TrainingWorkflow
-from workflows.training_types import TrainingInput
-from workflows.types import CONTROL_QUEUE, ManifestRef
+from workflows.training_types import TrainingInput, rollout_problems
+from workflows.types import CONTROL_QUEUE
 
 DURABLE_LAYOUTS = ("single", "ddp", "fsdp", "tp", "fsdp_tp")     # pp: its stages' state is not checkpointed yet
 RUN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
@@ -42,13 +42,9 @@ def check_training(inp: TrainingInput) -> None:
         raise ConfigError("shrinking on host loss (min_world_size) needs layout ddp")
     if inp.checkpoint_every < 1:
         raise ConfigError("checkpoint_every must be at least 1 step")
-    if inp.rollout is not None:
-        if not inp.export_dir:
-            raise ConfigError("rolling the trained weights out needs them exported: give --export DIR")
-        # the manifest is set by publishing at the end; everything else is checked now
-        problems = dataclasses.replace(inp.rollout, signed_manifest="", manifest=ManifestRef("0" * 64)).problems()
-        if problems:
-            raise ConfigError("training not started, its rollout would be refused: " + "; ".join(problems))
+    problems = rollout_problems(inp)
+    if problems:
+        raise ConfigError("training not started, its rollout would be refused: " + "; ".join(problems))
 
 
 async def start_training(client: Client, inp: TrainingInput) -> WorkflowHandle:

@@ -24,7 +24,7 @@ from temporalio.exceptions import (ActivityError, ApplicationError, ChildWorkflo
 with workflow.unsafe.imports_passed_through():
     from workflows.training_types import (ExportInput, PublishedExport, PublishExport, Recovery, RunControl,
                                           TrainingInput, TrainingResult, TrainingStatus, TrainRankInput,
-                                          TrainRankResult)
+                                          TrainRankResult, rollout_problems)
     from workflows.types import CONTROL_QUEUE, PUBLISH_QUEUE, ManifestRef, PreflightInput, host_queue, rollout_id
 
 ONCE = RetryPolicy(maximum_attempts=1)      # a failed rank is the workflow's decision, not a retry's
@@ -147,8 +147,7 @@ class TrainingWorkflow:
         """Before any rank starts: can these weights be published and rolled out at the end?"""
         st.phase = "preflight"
         r = inp.rollout
-        problems = [] if inp.export_dir else ["a rollout needs the exported weights: give export_dir"]
-        problems += dataclasses.replace(r, signed_manifest="", manifest=ManifestRef("0" * 64)).problems()
+        problems = rollout_problems(inp)
         if not problems:
             try:
                 probe = await workflow.execute_activity(
@@ -203,7 +202,7 @@ class TrainingWorkflow:
     def _shrunk(inp: TrainingInput, ranks: list[str], failed: int) -> tuple[list[str], list[str]] | None:
         """The ranks (and the surplus) to go on with after losing ``failed``, or None to wait for it:
         the largest data-parallel degree of at least min_world_size that divides the global batch."""
-        if not inp.min_world_size or inp.config.get("layout", "ddp") not in ("ddp", "single"):
+        if not inp.min_world_size or inp.config.get("layout", "ddp") != "ddp":
             return None
         survivors = [h for i, h in enumerate(ranks) if i != failed]
         batch = int(inp.config.get("global_batch", 1))

@@ -1,9 +1,9 @@
 """Inputs, results and status of a durable training run (TrainingWorkflow): plain dataclasses."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from workflows.types import RolloutInput
+from workflows.types import ManifestRef, RolloutInput
 
 
 @dataclass
@@ -29,6 +29,15 @@ class TrainingInput:
     # durable chain. Its manifest is left unset: publishing sets it. Checked before any rank starts.
     rollout: RolloutInput | None = None
     publish_chunk_size: int = 64 << 20
+
+
+def rollout_problems(inp: TrainingInput) -> list[str]:
+    """What would make the run's rollout be refused, knowable before training (publishing sets the
+    manifest at the end, so a placeholder stands in for it here)."""
+    if inp.rollout is None:
+        return []
+    out = [] if inp.export_dir else ["a rollout needs the exported weights: give export_dir (--export DIR)"]
+    return out + replace(inp.rollout, signed_manifest="", manifest=ManifestRef("0" * 64)).problems()
 
 
 @dataclass
