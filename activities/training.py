@@ -8,6 +8,7 @@ retry, decides how to recover.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -19,15 +20,18 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from training.archive_sync import Archiver
+from training.checkpoint_swarm import CheckpointSwarm
 from training.control import Control, write
 from weightcast.stack.processes import last_lines
-from workflows.training_types import ExportInput, RunControl, TrainRankInput, TrainRankResult
+from workflows.training_types import (ExportInput, RunControl, TrainRankInput, TrainRankResult, host_checkpoint_dir,
+                                      node_local)
 
 
 class TrainingActivities:
     def __init__(self, host_id: str, work: Path, advertise_host: str = "127.0.0.1", poll_s: float = 0.5,
-                 warm: bool = True):
+                 warm: bool = True, peerd: str = "", token: str = "", store: Path | None = None):
         self.host_id, self.work, self.advertise, self.poll_s, self.warm = host_id, work, advertise_host, poll_s, warm
+        self.peerd, self.token, self.store = peerd, token, store      # node-local checkpoints move through peerd
         self._ready: asyncio.subprocess.Process | None = None     # a rank process with torch imported, waiting
 
     async def _rank_process(self, spec: Path, log: Path) -> asyncio.subprocess.Process:
@@ -62,11 +66,16 @@ class TrainingActivities:
         d.mkdir(parents=True, exist_ok=True)
         progress = d / "progress.json"
         spec = d / "spec.json"
+        root = Path(host_checkpoint_dir(inp.checkpoint_dir, self.host_id))
+        swarm = self._swarm(inp.run, root) if node_local(inp.checkpoint_dir) else None
         spec.write_text(json.dumps({"rank": inp.rank, "config": inp.config, "out_dir": str(d), "durable": {
-            "init_method": inp.init_method, "checkpoints": inp.checkpoint_dir, "every": inp.checkpoint_every,
+            "init_method": inp.init_method, "checkpoints": str(root), "every": inp.checkpoint_every,
             "progress": str(progress), "collective_timeout_s": inp.collective_timeout_s,
-            "control": str(self._control(inp.run))}}))
-        archiver = Archiver(inp.archive, Path(inp.checkpoint_dir)) if inp.archive else None
+            "control": str(self._control(inp.run)), "local_checkpoints": swarm is not None}}))
+        archiver = Archiver(inp.archive, root) if inp.archive else None
+        fetched = None
+        if swarm:                                   # a newer checkpoint a peer holds: through the swarm
+            fetched = await _beating(swarm.restore_newest(), lambda: {"restoring": True}, self.poll_s)
         if archiver:
             await archiver.restore_if_newer()
         proc = await self._rank_process(spec, d / "rank.log")
@@ -77,19 +86,34 @@ class TrainingActivities:
                     break
                 except asyncio.TimeoutError:
                     beat = _compact(progress, proc.pid)
+                    if swarm:
+                        swarm.replicate_soon()
+                        beat["replicated"] = swarm.replicated
                     if archiver and inp.rank == 0:
                         archiver.archive_soon()
                         beat["archived"] = archiver.archived
                     activity.heartbeat(beat)
         except asyncio.CancelledError:
             _kill(proc.pid)
-            if archiver:
-                archiver.cancel()
+            for background in (archiver, swarm):
+                if background:
+                    background.cancel()
             await proc.wait()
             raise
+        if swarm and proc.returncode == 0:          # the final checkpoint whole on this host (export reads it)
+            try:
+                await _beating(swarm.finish(), lambda: {**_compact(progress, proc.pid), "replicating": True}, self.poll_s)
+            except asyncio.CancelledError:
+                swarm.cancel()
+                raise
+            except (RuntimeError, TimeoutError) as e:
+                raise ApplicationError(f"rank {inp.rank} on {self.host_id} finished, but its final checkpoint "
+                                       f"was not replicated here: {e}", type="RankFailed", non_retryable=True) from e
         if archiver and inp.rank == 0 and proc.returncode == 0:
             await archiver.archive_newest()         # the final state, before the run reports success
         if proc.returncode != 0:
+            if swarm:
+                swarm.cancel()
             tail = [ln for ln in last_lines(d / "rank.log", 3) if ln.strip()]
             how = (f"was killed by {signal.Signals(-proc.returncode).name}" if proc.returncode < 0
                    else f"exited with {proc.returncode}")
@@ -97,12 +121,18 @@ class TrainingActivities:
                                    type="RankFailed", non_retryable=True)
         rec = json.loads((d / f"rank{inp.rank}.json").read_text())
         return TrainRankResult(inp.rank, rec["next_step"], rec["first_step"], rec["held_out_loss"], rec["save_stall_s"],
-                               rec["paused"])
+                               rec["paused"], fetched)
 
     @activity.defn(name="set_run_control")
     async def set_run_control(self, inp: RunControl) -> None:
         """Pause / checkpoint-now for the run's ranks: rank 0 on this host reads it after every step."""
         write(self._control(inp.run), Control(inp.pause, inp.checkpoint_seq))
+
+    def _swarm(self, run: str, root: Path) -> CheckpointSwarm:
+        if not self.store:
+            raise ApplicationError(f"node-local checkpoints need this host's peerd, but the host worker on "
+                                   f"{self.host_id} was started without --store", type="NoPeerd", non_retryable=True)
+        return CheckpointSwarm(run, root, self.peerd, self.token, self.store)
 
     def _control(self, run: str) -> Path:
         return self.work / run / "control.json"
@@ -111,7 +141,21 @@ class TrainingActivities:
     async def export_weights(self, inp: ExportInput) -> str:
         """The newest complete checkpoint as an HF-style safetensors checkpoint with smoke material."""
         from training.export import export_checkpoint
-        return str(await asyncio.to_thread(export_checkpoint, inp))
+        here = dataclasses.replace(inp, checkpoint_dir=host_checkpoint_dir(inp.checkpoint_dir, self.host_id))
+        return str(await asyncio.to_thread(export_checkpoint, here))
+
+
+async def _beating(work, beat, every_s: float):
+    """Await ``work`` while heartbeating: a host busy replicating a checkpoint is not a silent host."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait([task], timeout=every_s)
+            if done:
+                return task.result()
+            activity.heartbeat(beat())
+    finally:
+        task.cancel()
 
 
 def _compact(progress: Path, pid: int) -> dict:

@@ -39,10 +39,13 @@ class PeerdClient:
             return body
 
     async def start_job(self, signed_manifest: dict | None, origin: dict | None = None, seeders: list[str] = (),
-                        peers: list[dict] = (), manifest_ref: dict | None = None) -> dict:
+                        peers: list[dict] = (), manifest_ref: dict | None = None, pinned: bool = False,
+                        adopt: bool = False) -> dict:
         """Start (or attach to) a version's download: the signed document inline, or ``manifest_ref``
-        {version_id, key} for peerd to fetch from the origin (the way to go past a few MB)."""
-        body = {"origin": origin, "seeders": list(seeders), "peers": list(peers)}
+        {version_id, key} for peerd to fetch from the origin (the way to go past a few MB). ``pinned``:
+        an unsigned body this caller vouches for (or a version id it names, its manifest from a peer);
+        ``adopt``: verify the files already placed in the store before fetching the rest."""
+        body = {"origin": origin, "seeders": list(seeders), "peers": list(peers), "pinned": pinned, "adopt": adopt}
         body.update({"manifest_ref": manifest_ref} if manifest_ref is not None else {"manifest": signed_manifest})
         return await self._json("POST", "/v1/jobs", json=body)
 

@@ -33,8 +33,10 @@ class PeerMissing(Exception):
 
 
 class FetchJob:
-    def __init__(self, daemon: "Daemon", vs: VersionStore, origin: OriginSpec | None, seeders: list[str]):
+    def __init__(self, daemon: "Daemon", vs: VersionStore, origin: OriginSpec | None, seeders: list[str],
+                 adopt: bool = False):
         self.d = daemon
+        self.adopt = adopt            # files were placed in the store by its host: verify them in place first
         self.vs = vs
         self.m: Manifest = vs.manifest
         self.origin_spec = origin
@@ -68,6 +70,8 @@ class FetchJob:
         try:
             if self.origin_spec is not None:   # the S3 client takes a while to build: start it now
                 self._origin = await S3Origin(self.origin_spec, session=self.d.s3_session).__aenter__()
+            if self.adopt:
+                await self._adopt_in_place()
             await self._copy_local()
             if not self.vs.complete:
                 await self._swarm()
@@ -100,6 +104,16 @@ class FetchJob:
         self.error = {"code": code, "message": message}
         self.d.metrics.job_failures.labels(code).inc()
         log.error("job failed", extra={"vid": self.vs.vid, "code": code, "error": message})
+
+    async def _adopt_in_place(self) -> None:
+        """Chunks whose bytes are already in the version's files (a training rank's own checkpoint
+        shard, linked in by its host) count once they hash to the manifest's digest; the rest are fetched."""
+        for c in self.m.chunks:
+            if c.file in self.vs.preexisting and not self.vs.has(c.index) \
+                    and await asyncio.to_thread(self.vs.adopt_chunk, c.index):
+                self.vs.mark_verified(c.index)
+                self.bytes["local"] += c.size
+                self.d.metrics.chunks.labels("local").inc()
 
     async def _copy_local(self) -> None:
         """Delta rollout: chunks whose digest an earlier stored version holds are copied, not fetched."""

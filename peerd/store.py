@@ -81,6 +81,7 @@ class VersionStore:
         self.fingerprints: dict[str, tuple[int, int, int]] = {}   # file -> (size, mtime, ctime) when verified
         self.suspect = False          # a chunk was found corrupt on disk: re-check every chunk before serving
         self._digest_idx: dict[str, int] | None = None
+        self.preexisting: set[str] = set()     # files already there when prepared (adoption candidates)
 
     # -- lifecycle
     def prepare(self, signed_manifest: bytes, reserve_bytes: int = 0) -> None:
@@ -111,6 +112,8 @@ class VersionStore:
         for f in self.manifest.files:
             p = self.model_dir / f.path
             p.parent.mkdir(parents=True, exist_ok=True)
+            if f.size and p.exists() and p.stat().st_size == f.size:
+                self.preexisting.add(f.path)
             fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o644)
             self._fds[f.path] = fd
             try:
@@ -210,6 +213,19 @@ class VersionStore:
             with self._io:
                 self._writers -= 1
                 self._io.notify_all()
+        return True
+
+    def adopt_chunk(self, index: int) -> bool:
+        """A chunk already in place (its file linked in before the job started) becomes verified when its
+        bytes match the manifest: made durable, its bitmap byte written. Blocking: a worker thread."""
+        c = self.manifest.chunks[index]
+        fd = self._fds[c.file]
+        data = os.pread(fd, c.size, c.offset)
+        if len(data) != c.size or hashlib.sha256(data).hexdigest() != c.digest:
+            return False
+        os.fdatasync(fd)
+        os.pwrite(self._bitmap_fd, b"\x01", index)
+        os.fdatasync(self._bitmap_fd)
         return True
 
     def mark_verified(self, index: int) -> None:

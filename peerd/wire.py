@@ -79,14 +79,18 @@ def check_gossip(body) -> dict:
 def check_job(body) -> dict:
     if not isinstance(body, dict):
         raise WireError("job body must be a JSON object")
+    pinned, adopt = body.get("pinned", False), body.get("adopt", False)
+    if not isinstance(pinned, bool) or not isinstance(adopt, bool):
+        raise WireError("pinned and adopt must be true or false")
     ref = body.get("manifest_ref")
     if ref is not None:
-        if not isinstance(ref, dict) or not isinstance(ref.get("key"), str) or not 0 < len(ref["key"]) <= 1024:
+        if not isinstance(ref, dict) or not isinstance(ref.get("key", ""), str) or len(ref.get("key", "")) > 1024 \
+                or not (pinned or ref.get("key")):
             raise WireError("manifest_ref must be {version_id, key}: the signed manifest's id and object key")
-        ref = {"version_id": check_vid(ref.get("version_id")), "key": ref["key"]}
+        ref = {"version_id": check_vid(ref.get("version_id")), "key": ref.get("key", "")}
         if "manifest" in body:
             raise WireError("give 'manifest' (the document) or 'manifest_ref' (where it lies), not both")
-        if body.get("origin") is None:
+        if body.get("origin") is None and not pinned:
             raise WireError("manifest_ref needs an origin to fetch the manifest from")
     elif not isinstance(body.get("manifest"), dict):
         raise WireError("job needs 'manifest_ref' {version_id, key} (or 'manifest', the signed document)")
@@ -103,4 +107,5 @@ def check_job(body) -> dict:
     if not isinstance(peers, list) or len(peers) > 100_000:
         raise WireError("peers must be a list")
     return {"manifest": body.get("manifest"), "manifest_ref": ref, "origin": origin,
-            "seeders": [check_id(s, "seeder id") for s in seeders], "peers": [check_peer(p) for p in peers]}
+            "seeders": [check_id(s, "seeder id") for s in seeders], "peers": [check_peer(p) for p in peers],
+            "pinned": pinned, "adopt": adopt}

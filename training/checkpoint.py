@@ -9,6 +9,11 @@ rank 0 writes it once every rank's digests are there (or a later resume does, fr
 A directory without the mark, or whose files no longer match it, is refused and the previous complete
 one is used; on resume the ranks verify a share of the files each and agree on the newest good one.
 DCP loads at any world size (replicated DDP state is stored once; sharded state is resharded on load).
+
+Node-local checkpoint directories (``local``: each host its own disk, no shared volume): the ranks
+swap their digests through the process group's store and each writes the merged list as
+``merged.json`` on its own disk; the host then replicates the checkpoint through peerd's swarm
+(training/checkpoint_swarm.py) and writes ``complete.json`` once every file is there.
 """
 from __future__ import annotations
 
@@ -28,9 +33,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+from peerd.manifest import ChunkHasher, iter_file_pieces
+
 log = logging.getLogger("weightcast.training.checkpoint")
 
 MARK = "complete.json"
+MERGED = "merged.json"                  # node-local: every rank's digests, before this host has every file
+CHUNK_SIZE = 64 * 1024 * 1024           # the chunks a checkpoint moves in through peerd's swarm
 
 
 @dataclass(frozen=True)
@@ -51,17 +60,38 @@ def _sha256(f: Path) -> str:
     return h.hexdigest()
 
 
+def _digests(f: Path, chunk_size: int) -> list:
+    """[size, SHA-256, [chunk SHA-256s]]: one read gives the whole-file digest the resume checks and
+    the chunk digests a swarm manifest needs."""
+    hasher = ChunkHasher(f.name, chunk_size, 0)
+    for piece in iter_file_pieces(f, 1 << 20):
+        hasher.update(piece)
+    entry, chunks = hasher.finish()
+    return [entry.size, entry.digest, [c.digest for c in chunks]]
+
+
+def mark_bytes(step: int, parts: list[dict]) -> bytes:
+    """The completion mark from every rank's digests; byte-identical wherever it is merged."""
+    files: dict = {}
+    for p in parts:
+        files.update(p["files"])
+    return json.dumps({"step": step, "world_size": parts[0]["world_size"], "chunk_size": parts[0]["chunk_size"],
+                       "files": files}, sort_keys=True).encode()
+
+
 def _own_files(path: Path, rank: int) -> list[Path]:
     """The files this rank's save wrote (DCP's file system writer names them __<rank>_<n>.distcp)."""
     return sorted(path.glob(f"__{rank}_*.distcp")) + ([path / ".metadata"] if rank == 0 else [])
 
 
-def write_digests(path: Path, rank: int, world_size: int) -> None:
-    """This rank's share of the completion mark: the size and SHA-256 of each file it wrote."""
-    files = {f.name: [f.stat().st_size, _sha256(f)] for f in _own_files(path, rank)}
+def write_digests(path: Path, rank: int, world_size: int, chunk_size: int = CHUNK_SIZE) -> bytes:
+    """This rank's share of the completion mark: the size, SHA-256 and chunk digests of each file it wrote."""
+    files = {f.name: _digests(f, chunk_size) for f in _own_files(path, rank)}
+    raw = json.dumps({"rank": rank, "world_size": world_size, "chunk_size": chunk_size, "files": files}).encode()
     tmp = path / f"digests-{rank}.json.tmp"
-    tmp.write_text(json.dumps({"rank": rank, "world_size": world_size, "files": files}))
+    tmp.write_bytes(raw)
     os.replace(tmp, path / f"digests-{rank}.json")
+    return raw
 
 
 def try_mark(path: Path, step: int) -> bool:
@@ -74,13 +104,14 @@ def try_mark(path: Path, step: int) -> bool:
         return False                        # one still being replaced: next time
     if not parts or len(parts) != parts[0]["world_size"]:
         return False
-    files: dict = {}
-    for p in parts:
-        files.update(p["files"])
-    tmp = path / f"{MARK}.{os.getpid()}.tmp"     # on resume every rank may merge at once: no shared tmp
-    tmp.write_text(json.dumps({"step": step, "world_size": parts[0]["world_size"], "files": files}))
-    os.replace(tmp, path / MARK)
+    write_atomic(path / MARK, mark_bytes(step, parts))
     return True
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")     # several ranks may write at once: no shared tmp
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
 
 
 def step_of(path: Path) -> int:
@@ -102,7 +133,7 @@ def check(path: Path, share: tuple[int, int] = (0, 1)) -> str | None:
     if ".metadata" not in files:
         return "no DCP metadata recorded"
     bad = []
-    for i, (name, (size, digest)) in enumerate(sorted(files.items())):
+    for i, (name, (size, digest, *_)) in enumerate(sorted(files.items())):
         f = path / name
         if not f.is_file() or f.stat().st_size != size:
             bad.append(name)
@@ -111,14 +142,20 @@ def check(path: Path, share: tuple[int, int] = (0, 1)) -> str | None:
     return f"files changed or missing since the save: {', '.join(bad)}" if bad else None
 
 
-def latest(root: Path, group=None) -> Complete | None:
+def latest(root: Path, group=None, shared: bool = True) -> Complete | None:
     """The newest complete, intact checkpoint; broken ones are logged and skipped. With ``group`` (every
-    rank calls it) each rank hashes a share of the files and all agree on the newest good one."""
-    if not root.is_dir():
+    rank calls it) all agree on the newest good one; on a ``shared`` volume each rank hashes a share of
+    the files, on node-local disks each hashes its own copy whole."""
+    if not root.is_dir() and group is None:
         return None
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
-    for path in sorted(root.glob("step-*"), reverse=True):
-        why = check(path, (rank, world))
+    names = {p.name for p in root.glob("step-*")}
+    if group is not None:                   # node-local directories differ: every rank walks the same list
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, sorted(names), group=group)
+        names = set().union(*everyone)
+    for path in [root / n for n in sorted(names, reverse=True)]:
+        why = check(path, (rank, world) if shared else (0, 1)) if path.is_dir() else "not on this rank's disk"
         if group is not None:               # one bad file anywhere refuses it for every rank
             flag = torch.tensor([0 if why is None else 1])
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
@@ -137,8 +174,11 @@ class Checkpointer:
     the training loop calls ``before_update`` ahead of each optimiser step; the copy overlaps the next
     forward and backward. A second save first waits for the first to be on disk."""
 
-    def __init__(self, root: Path, rank: int, world_size: int, keep: int = 3):
+    def __init__(self, root: Path, rank: int, world_size: int, keep: int = 3, local: bool = False):
         self.root, self.rank, self.world, self.keep = root, rank, world_size, keep
+        # node-local directories: every rank keeps its own disk (set-aside, pruning, the merged digests)
+        self.local = local
+        self.kv = dist.distributed_c10d._get_default_store() if local and dist.is_initialized() else None
         # the background save runs its own collectives (gathering the shards' metadata): on the
         # training group they would interleave with DDP's all-reduces and hang both
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
@@ -168,8 +208,9 @@ class Checkpointer:
     def set_aside_after(self, step: int) -> None:
         """On resume from ``step``: move every newer step directory (refused or cut short) out of the
         way before this attempt saves into the same names — a stale rank's files or digests must not
-        mix with new ones. Rank 0 moves them (kept as ``set-aside-…`` for inspection); all wait."""
-        if self.rank == 0:
+        mix with new ones. Rank 0 moves them (kept as ``set-aside-…`` for inspection; on node-local
+        directories every rank its own); all wait."""
+        if self.rank == 0 or self.local:
             for path in sorted(self.root.glob("step-*")):
                 if step_of(path) > step:
                     aside = self.root / f"set-aside-{path.name}-{time.time_ns()}"
@@ -218,7 +259,9 @@ class Checkpointer:
         self._mark()
 
     def _finished(self, step: int, path: Path) -> None:
-        write_digests(path, self.rank, self.world)
+        raw = write_digests(path, self.rank, self.world)
+        if self.kv is not None:
+            self.kv.set(f"ckpt/{step}/{self.rank}", raw)
         with self.lock:
             self.unmarked.append((step, path))
         self._mark()
@@ -229,13 +272,40 @@ class Checkpointer:
         with self.lock:                     # the save's thread and the training loop both call this
             while self.unmarked:
                 step, path = self.unmarked[0]
-                if not (try_mark(path, step) if self.rank == 0 else (path / MARK).exists()):
+                if self.local:
+                    if not self._merge_local(step, path):
+                        return
+                elif not (try_mark(path, step) if self.rank == 0 else (path / MARK).exists()):
                     return
                 self.unmarked.pop(0)
                 self.last_complete = step
-                if self.rank == 0:
-                    for old in sorted(self.root.glob("step-*"))[:-self.keep]:
-                        shutil.rmtree(old, ignore_errors=True)
+                if self.rank == 0 or self.local:
+                    self._prune()
+
+    def _prune(self) -> None:
+        """Keep the newest ``keep`` checkpoints. Node-local: the newest ``keep`` whole on this disk, and
+        every newer one still being replicated (never prune to nothing usable)."""
+        dirs = sorted(self.root.glob("step-*"))
+        if self.local:
+            whole = [p for p in dirs if (p / MARK).is_file()]
+            old = [p for p in dirs if len(whole) >= self.keep and p.name < whole[-self.keep].name]
+        else:
+            old = dirs[:-self.keep]
+        for p in old:
+            shutil.rmtree(p, ignore_errors=True)
+
+    def _merge_local(self, step: int, path: Path) -> bool:
+        """Node-local: once every rank's digests are in the store, this rank's disk gets the merged list
+        (its host then replicates the checkpoint and marks it complete)."""
+        if self.kv is None:                 # one rank: its own digests are all of them
+            parts = [json.loads((path / f"digests-{self.rank}.json").read_text())]
+        else:
+            keys = [f"ckpt/{step}/{r}" for r in range(self.world)]
+            if not self.kv.check(keys):
+                return False
+            parts = [json.loads(self.kv.get(k)) for k in keys]
+        write_atomic(path / MERGED, mark_bytes(step, parts))
+        return True
 
     def load(self, path: Path, state: dict) -> None:
         dcp.load(state, checkpoint_id=path, process_group=self.group)

@@ -119,9 +119,9 @@ def run_rank(rank: int, cfg_dict: dict, out_dir: str, durable: dict | None = Non
             return {"model": msd, "optim": osd, "sampler": sampler.state_dict(), "rng": torch.get_rng_state()}
 
         startup["model"] = time.time()
-        ckpt = Checkpointer(Path(durable["checkpoints"]), rank, world)
+        ckpt = Checkpointer(Path(durable["checkpoints"]), rank, world, local=durable.get("local_checkpoints", False))
         startup["ckpt_group"] = time.time()
-        found = latest(Path(durable["checkpoints"]), ckpt.group)
+        found = latest(Path(durable["checkpoints"]), ckpt.group, shared=not ckpt.local)
         startup["verified"] = time.time()
         if found:
             snap = train_state()

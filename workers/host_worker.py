@@ -29,7 +29,8 @@ def build(client: Client, host_id: str, peerd_addr: str, token: str, store: Path
           admin_token: str = "", heartbeat_every_s: float = HEARTBEAT_EVERY_S, train_dir: Path | None = None,
           advertise_host: str = "127.0.0.1") -> Worker:
     acts = HostActivities(host_id, peerd_addr, token, store, model_server, admin_token)
-    train = TrainingActivities(host_id, train_dir or store.parent / "train", advertise_host)
+    train = TrainingActivities(host_id, train_dir or store.parent / "train", advertise_host,
+                               peerd=peerd_addr, token=token, store=store)
     every = timedelta(seconds=heartbeat_every_s)
     return Worker(client, task_queue=host_queue(host_id),
                   activities=[acts.distribute, acts.load_version, acts.discard_version,

@@ -111,6 +111,8 @@ class TrainingWorkflow:
             results = await self._attempt(inp, st)
             if results is not None:
                 st.resumed_from.append(results[0].first_step)
+                st.fetched_checkpoints += [{"attempt": st.attempt, "rank": r.rank, "host": st.ranks[r.rank], **r.fetched}
+                                           for r in results if r.fetched]
             if self._abort is not None:
                 continue
             if results is not None and results[0].steps >= total:
@@ -226,12 +228,26 @@ class TrainingWorkflow:
             for r, host in enumerate(st.ranks)]
         try:
             return list(await asyncio.gather(*handles))
-        except ActivityError:
+        except ActivityError as e:
+            first = e                             # the first rank to fail, in time
             if self._abort is not None:           # our own cancellation: no recovery to record
                 await asyncio.gather(*handles, return_exceptions=True)
                 return None
-        # the first rank to fail is the cause; the others fail because it did (or are still running)
-        failed = next(i for i, h in enumerate(handles) if h.done() and h.exception() is not None)
+        if workflow.patched("silent-host-is-the-cause"):
+            # a rank whose peer's machine died fails at once (its collective breaks) while the dead host's
+            # own rank is only known lost when its heartbeats time out: wait that long, so the silent host,
+            # not the survivor, is the cause (and its rank migrates instead of being restarted there)
+            try:
+                await workflow.wait_condition(lambda: all(h.done() for h in handles),
+                                              timeout=timedelta(seconds=inp.heartbeat_timeout_s + 2))
+            except asyncio.TimeoutError:
+                pass
+            # the cause: a silent host if any, else the first rank to fail; the others fail because it did
+            failures = [i for i, h in enumerate(handles) if h.done() and not h.cancelled() and h.exception() is not None]
+            failed = next((i for i in failures if isinstance(handles[i].exception().__cause__, TimeoutError)),
+                          next(i for i in failures if handles[i].exception() is first))
+        else:                                     # histories recorded before the patch
+            failed = next(i for i, h in enumerate(handles) if h.done() and h.exception() is not None)
         for h in handles:
             h.cancel()
         # the next attempt starts now: the cancelled ranks stop on their own (their peer is gone, and the

@@ -11,7 +11,9 @@ class TrainingInput:
     run: str                            # the workflow id is train-<run>
     config: dict                        # TrainConfig as a dict (checked by the CLI before starting)
     hosts: list[str]                    # host ids (queues host-<id>); the first world_size run ranks, the rest are spares
-    checkpoint_dir: str                 # where every rank reaches the same checkpoints (a shared volume)
+    # where every rank reaches the same checkpoints (a shared volume), or with "{host}" in it each host's
+    # own disk (node-local): each checkpoint is then replicated to every rank's host through peerd's swarm
+    checkpoint_dir: str
     checkpoint_every: int = 10          # steps between asynchronous checkpoints
     export_dir: str = ""                # where the finished weights are written (safetensors + smoke); empty: not exported
     max_recoveries: int = 5
@@ -29,6 +31,18 @@ class TrainingInput:
     # durable chain. Its manifest is left unset: publishing sets it. Checked before any rank starts.
     rollout: RolloutInput | None = None
     publish_chunk_size: int = 64 << 20
+
+
+HOST_PLACEHOLDER = "{host}"
+
+
+def node_local(checkpoint_dir: str) -> bool:
+    return HOST_PLACEHOLDER in checkpoint_dir
+
+
+def host_checkpoint_dir(checkpoint_dir: str, host: str) -> str:
+    """This host's checkpoint directory (the same path for every host on a shared volume)."""
+    return checkpoint_dir.replace(HOST_PLACEHOLDER, host)
 
 
 def rollout_problems(inp: TrainingInput) -> list[str]:
@@ -61,6 +75,9 @@ class TrainRankResult:
     held_out_loss: float | None         # the final weights on a batch no step trains on (same for any path)
     save_stall_s: list[float]
     paused: bool = False                # stopped at a step boundary on request, its state checkpointed
+    # node-local checkpoints: the one this host fetched from its peers before the rank started
+    # ({step, version_id, bytes_from_peers, bytes_from_origin}), None when it had it already
+    fetched: dict | None = None
 
 
 @dataclass
@@ -120,6 +137,8 @@ class TrainingStatus:
     tokens_per_step: int = 0
     recoveries: list[Recovery] = field(default_factory=list)
     resumed_from: list[int] = field(default_factory=list)   # first step of each attempt that ran to its end
+    # checkpoints a rank's host fetched through the swarm: {attempt, rank, host, step, bytes_from_peers, ...}
+    fetched_checkpoints: list[dict] = field(default_factory=list)
     final_loss: float | None = None     # held-out loss of the final weights
     export_dir: str = ""
     detail: str = ""

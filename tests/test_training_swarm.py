@@ -1,0 +1,72 @@
+"""Node-local checkpoints (``--checkpoint-dir '.../{host}'``): each rank saves to its own host's disk,
+every checkpoint is replicated to the ranks' hosts through peerd's swarm, and a replacement host gets
+the newest one from its peers before its rank starts. Real dev server, host workers, rank processes
+and peerds."""
+import asyncio
+import os
+import signal
+import uuid
+from pathlib import Path
+
+import pytest
+from temporalio.testing import WorkflowEnvironment
+
+from tests.fleet import Fleet
+from tests.test_training_workflow import plain_loss
+from tests.training_fixtures import CONFIG, hosts, progress, until
+from training.checkpoint import MARK
+from training.config import TrainConfig
+from weightcast.stack.temporal import SEARCH_ATTRIBUTES, temporal_binary
+from workers import control_worker
+from workflows.training import TrainingWorkflow
+from workflows.training_types import TrainingInput
+from workflows.types import CONTROL_QUEUE
+
+HOSTS = ["s0", "s1", "s2"]
+STEPS = 600             # ~8 s of training here: the fault lands mid-run
+
+
+def complete_steps(root: Path, host: str) -> list[int]:
+    return sorted(int(p.name.removeprefix("step-")) for p in (root / host / "ckpt").glob("step-*") if (p / MARK).is_file())
+
+
+async def test_a_replacement_host_gets_the_checkpoint_from_its_peers(tmp_path, keys, seaweed):
+    fleet = Fleet(tmp_path, seaweed, keys["pub_path"], HOSTS).start()
+    async with await WorkflowEnvironment.start_local(dev_server_existing_path=temporal_binary(),
+                                                     search_attributes=SEARCH_ATTRIBUTES) as env:
+        procs = await hosts(env, tmp_path, HOSTS, fleet=fleet)
+        try:
+            run = uuid.uuid4().hex[:6]
+            inp = TrainingInput(run=run, config=TrainConfig.load(None, [*CONFIG, f"steps={STEPS}"]).to_dict(), hosts=HOSTS,
+                                checkpoint_dir=str(tmp_path / "{host}" / "ckpt"), checkpoint_every=50,
+                                export_dir=str(tmp_path / "export"), heartbeat_timeout_s=4.0, collective_timeout_s=20.0)
+            async with control_worker.build(env.client, [keys["pub_path"]]):
+                handle = await env.client.start_workflow(TrainingWorkflow.run, inp, id=f"train-{run}",
+                                                         task_queue=CONTROL_QUEUE)
+                # a checkpoint whole on both ranks' hosts: each wrote half of it and got the rest by swarm
+                await until(lambda: set(complete_steps(tmp_path, "s0")) & set(complete_steps(tmp_path, "s1")), 120)
+                # then s1 is lost with its disk: host worker, rank, peerd
+                at = progress(tmp_path, "s1", 1)
+                assert at["step"] < STEPS - 50, f"the run was nearly over ({at['step']}) before the fault"
+                rank1 = at["pid"]
+                procs["s1"].proc.kill()
+                os.kill(rank1, signal.SIGKILL)
+                fleet.procs["s1"].kill()
+                result = await asyncio.wait_for(handle.result(), 240)
+                st = await handle.query(TrainingWorkflow.status)
+        finally:
+            for p in procs.values():
+                p.stop()
+            fleet.stop()
+    assert [r.action for r in result.recoveries][:1] == ["migrate to s2"]
+    moved = progress(tmp_path, "s2", 1)
+    assert moved["step"] == STEPS and moved["first_step"] >= 50
+    assert result.final_loss == pytest.approx(plain_loss(tmp_path / "plain", [f"steps={STEPS}"]), rel=1e-5, abs=1e-6)
+    # s2 had no checkpoint of its own: the one it resumed from came from s0's peerd through the swarm
+    # with no archive configured, the step it resumed from could only come from s0's peerd
+    fetched = [f for f in st.fetched_checkpoints if f["host"] == "s2"]
+    assert [f["step"] for f in fetched] == [moved["first_step"]] and fetched[0]["rank"] == 1
+    assert fetched[0]["bytes_from_peers"] > 0 and fetched[0]["bytes_from_origin"] == 0
+    # both ranks' hosts end with the final checkpoint whole, and the export came from it
+    assert STEPS in complete_steps(tmp_path, "s0") and STEPS in complete_steps(tmp_path, "s2")
+    assert (tmp_path / "export").is_dir()
