@@ -744,7 +744,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--run", required=True, help="the run's name: its workflow is train-<run>")
             p.add_argument("--hosts", required=True,
                            help="host ids, comma-separated: the first world_size run ranks, the rest are spares")
-            p.add_argument("--checkpoint-dir", type=Path, required=True, help="a directory every host reaches")
+            p.add_argument("--checkpoint-dir", type=Path, required=True, help="a directory every host reaches (a shared volume), or with {host} in it each host's own disk "
+                                "('/nvme/ckpt/{host}'): every checkpoint is then replicated to the ranks' hosts "
+                                "through peerd's swarm (the host workers need --peerd, --token and --store)")
             p.add_argument("--checkpoint-every", type=int, default=10, help="steps between async checkpoints")
             p.add_argument("--export", type=Path, help="write the finished weights here (safetensors + smoke)")
             p.add_argument("--checkpoint-archive", metavar="s3://BUCKET/PREFIX",
