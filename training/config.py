@@ -49,6 +49,9 @@ class TrainConfig:
     outer_momentum: float = 0.9      # diloco
     rebalance: bool = False          # data parallel: size each rank's share of the batch by its measured speed
     slow_ranks: dict = field(default_factory=dict)   # {"1": 2.0}: rank 1 computes 2x slower (an injected delay)
+    # CPU threads per rank; 0: the machine's cores shared out over the ranks. A fixed count makes a
+    # run's floating-point sums repeatable when the machine's load changes (MKL may otherwise use fewer)
+    cpu_threads: int = 0
     seed: int = 0                    # model init
     data_seed: int = 1234            # the synthetic language
     log_every: int = 10
@@ -116,6 +119,8 @@ class TrainConfig:
         if self.global_batch % dp:
             out.append(f"global_batch {self.global_batch} is not divisible by the {dp} data-parallel "
                        f"ranks; use a multiple of {dp}")
+        if not isinstance(self.cpu_threads, int) or self.cpu_threads < 0:
+            out.append(f"cpu_threads is a thread count >= 0 (0: cores / ranks), got {self.cpu_threads!r}")
         if self.rebalance and self.layout not in ("ddp", "fsdp"):
             out.append(f"rebalance sizes data-parallel shares: layout ddp or fsdp, not {self.layout}")
         if not isinstance(self.slow_ranks, dict):

@@ -86,7 +86,7 @@ def run_rank(rank: int, cfg_dict: dict, out_dir: str, durable: dict | None = Non
     startup = {"spec": durable.get("t_spec", time.time())} if durable else {}
     device = device_for(rank)
     if device.type == "cpu":         # ranks share the machine's cores: no oversubscription
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        torch.set_num_threads(cfg.cpu_threads or max(1, (os.cpu_count() or 1) // world))
     torch.manual_seed(cfg.seed)
     if world > 1:
         # a local job meets through a file in its directory (no port to pick); a supervised one
