@@ -118,6 +118,7 @@ class TrainingActivities:
             how = (f"was killed by {signal.Signals(-proc.returncode).name}" if proc.returncode < 0
                    else f"exited with {proc.returncode}")
             raise ApplicationError(f"rank {inp.rank} on {self.host_id} {how}" + (": " + " | ".join(tail) if tail else ""),
+                                   {"signal": signal.Signals(-proc.returncode).name if proc.returncode < 0 else None},
                                    type="RankFailed", non_retryable=True)
         rec = json.loads((d / f"rank{inp.rank}.json").read_text())
         return TrainRankResult(inp.rank, rec["next_step"], rec["first_step"], rec["held_out_loss"], rec["save_stall_s"],

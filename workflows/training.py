@@ -234,14 +234,17 @@ class TrainingWorkflow:
                 await asyncio.gather(*handles, return_exceptions=True)
                 return None
         if workflow.patched("silent-host-is-the-cause"):
-            # a rank whose peer's machine died fails at once (its collective breaks) while the dead host's
-            # own rank is only known lost when its heartbeats time out: wait that long, so the silent host,
-            # not the survivor, is the cause (and its rank migrates instead of being restarted there)
-            try:
-                await workflow.wait_condition(lambda: all(h.done() for h in handles),
-                                              timeout=timedelta(seconds=inp.heartbeat_timeout_s + 2))
-            except asyncio.TimeoutError:
-                pass
+            # a rank whose peer's machine died fails at once (its collective breaks: it exits with an
+            # error) while the dead host's own rank is only known lost when its heartbeats time out:
+            # then wait that long, so the silent host, not the survivor, is the cause (and its rank
+            # migrates instead of being restarted where nothing answers). A rank killed by a signal or
+            # a silent host is the cause itself: no wait.
+            if _exited_with_error(first):
+                try:
+                    await workflow.wait_condition(lambda: all(h.done() for h in handles),
+                                                  timeout=timedelta(seconds=inp.heartbeat_timeout_s + 2))
+                except asyncio.TimeoutError:
+                    pass
             # the cause: a silent host if any, else the first rank to fail; the others fail because it did
             failures = [i for i, h in enumerate(handles) if h.done() and not h.cancelled() and h.exception() is not None]
             failed = next((i for i in failures if isinstance(handles[i].exception().__cause__, TimeoutError)),
@@ -272,3 +275,10 @@ class TrainingWorkflow:
         st.phase = "recovering"
         workflow.logger.warning("training rank failed: %s; %s", reason, action)
         return None
+
+
+def _exited_with_error(err: ActivityError) -> bool:
+    """A rank process that ended with an error status (not killed by a signal, not a silent host)."""
+    cause = err.__cause__
+    return (isinstance(cause, ApplicationError) and cause.type == "RankFailed"
+            and not (cause.details and isinstance(cause.details[0], dict) and cause.details[0].get("signal")))
