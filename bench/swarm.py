@@ -7,7 +7,6 @@ fetch (daemons already up and gossiping) to each host holding the whole verified
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import secrets
 import shutil
@@ -17,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from peerd import digests
 from peerd import manifest as mf
 from peerd.client import PeerdClient
 from peerd.origin import OriginSpec, S3Origin
@@ -52,7 +52,7 @@ def _verify_host(store: Path, m: mf.Manifest) -> tuple[bool, int]:
         if bits[c.index]:
             with open(vdir / "model" / c.file, "rb") as f:
                 f.seek(c.offset)
-                if hashlib.sha256(f.read(c.size)).hexdigest() != c.digest:
+                if digests.hexdigest(m.hash_algorithm, f.read(c.size)) != c.digest:
                     bad += 1
     ok = all(bits) and bad == 0
     return ok, bad

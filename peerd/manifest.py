@@ -17,10 +17,10 @@ from typing import Iterable, Iterator
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from peerd import signing
+from peerd import digests, signing
 
 SCHEMA = "weightcast.manifest/v1"
-HASH_ALGORITHM = "sha256"
+HASH_ALGORITHM = "sha256"       # the default for chunk and file digests; "blake3" is the cheaper choice
 DEFAULT_CHUNK_SIZE = 64 * 1024 * 1024
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024
 MAX_NAME_BYTES = 255            # one path component (NAME_MAX on Linux file systems)
@@ -102,10 +102,10 @@ class ChunkHasher:
     current chunk's hash state.
     """
 
-    def __init__(self, path: str, chunk_size: int, first_index: int):
-        self.path, self.chunk_size, self.next_index = path, chunk_size, first_index
-        self.file_hash = hashlib.sha256()
-        self.chunk_hash = hashlib.sha256()
+    def __init__(self, path: str, chunk_size: int, first_index: int, algorithm: str = HASH_ALGORITHM):
+        self.path, self.chunk_size, self.next_index, self.algorithm = path, chunk_size, first_index, algorithm
+        self.file_hash = digests.new(algorithm)
+        self.chunk_hash = digests.new(algorithm)
         self.chunk_fill = 0
         self.offset = 0
         self.chunks: list[Chunk] = []
@@ -127,7 +127,7 @@ class ChunkHasher:
         self.next_index += 1
         self.offset += self.chunk_fill
         self.chunk_fill = 0
-        self.chunk_hash = hashlib.sha256()
+        self.chunk_hash = digests.new(self.algorithm)
 
     def finish(self) -> tuple[FileEntry, list[Chunk]]:
         if self.chunk_fill:
@@ -136,7 +136,7 @@ class ChunkHasher:
 
 
 def build_from_directory(root: Path, model: str, version: str,
-                         chunk_size: int = DEFAULT_CHUNK_SIZE) -> Manifest:
+                         chunk_size: int = DEFAULT_CHUNK_SIZE, algorithm: str = HASH_ALGORITHM) -> Manifest:
     root = Path(root)
     if not root.is_dir():
         raise ManifestError(f"{root} is not a directory")
@@ -144,14 +144,14 @@ def build_from_directory(root: Path, model: str, version: str,
     if not paths:
         raise ManifestError(f"{root} holds no files to publish")
     return build_from_pieces(model, version, chunk_size,
-                             ((p.relative_to(root).as_posix(), iter_file_pieces(p)) for p in paths))
+                             ((p.relative_to(root).as_posix(), iter_file_pieces(p)) for p in paths), algorithm)
 
 
 def assemble(model: str, version: str, chunk_size: int, files: list[FileEntry],
-             chunks: list[Chunk], created_at: str | None = None) -> Manifest:
+             chunks: list[Chunk], created_at: str | None = None, algorithm: str = HASH_ALGORITHM) -> Manifest:
     m = Manifest(model=model, version=version,
                  created_at=created_at or datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-                 chunk_size=chunk_size, files=tuple(files), chunks=tuple(chunks))
+                 chunk_size=chunk_size, files=tuple(files), chunks=tuple(chunks), hash_algorithm=algorithm)
     validate(m)
     return m
 
@@ -247,8 +247,9 @@ def safe_relative_path(p) -> str:
 def validate(m: Manifest) -> None:
     if m.schema != SCHEMA:
         raise ManifestError(f"unknown manifest schema {m.schema!r}; this peerd reads {SCHEMA!r}")
-    if m.hash_algorithm != HASH_ALGORITHM:
-        raise ManifestError(f"unsupported hash algorithm {m.hash_algorithm!r}; use {HASH_ALGORITHM!r}")
+    if m.hash_algorithm not in digests.ALGORITHMS:
+        raise ManifestError(f"unsupported hash algorithm {m.hash_algorithm!r}; this peerd reads "
+                            f"{', '.join(repr(a) for a in digests.ALGORITHMS)}")
     for name, v in (("model", m.model), ("version", m.version)):
         if not isinstance(v, str) or not _NAME.match(v):
             raise ManifestError(f"{name} {v!r} must match {_NAME.pattern}")
@@ -307,14 +308,16 @@ def summarize(m: Manifest) -> dict:
 
 
 def build_from_pieces(model: str, version: str, chunk_size: int,
-                      files: Iterable[tuple[str, Iterable[bytes]]]) -> Manifest:
+                      files: Iterable[tuple[str, Iterable[bytes]]], algorithm: str = HASH_ALGORITHM) -> Manifest:
     """Build from (path, byte pieces) pairs in path order; used by the S3 builder."""
+    if algorithm not in digests.ALGORITHMS:
+        raise ManifestError(f"unknown hash algorithm {algorithm!r}; use one of {', '.join(digests.ALGORITHMS)}")
     out_files, out_chunks = [], []
     for path, pieces in files:
-        h = ChunkHasher(safe_relative_path(path), chunk_size, len(out_chunks))
+        h = ChunkHasher(safe_relative_path(path), chunk_size, len(out_chunks), algorithm)
         for p in pieces:
             h.update(p)
         fe, cs = h.finish()
         out_files.append(fe)
         out_chunks.extend(cs)
-    return assemble(model, version, chunk_size, out_files, out_chunks)
+    return assemble(model, version, chunk_size, out_files, out_chunks, algorithm=algorithm)

@@ -142,14 +142,14 @@ class S3Origin:
                     out.append((rel, o["Size"]))
         return sorted(out)
 
-    async def build_manifest(self, model: str, version: str, chunk_size: int) -> Manifest:
+    async def build_manifest(self, model: str, version: str, chunk_size: int, algorithm: str = "sha256") -> Manifest:
         """Stream every object once through the chunk hasher; nothing lands on local disk."""
         files, chunks = [], []
         listing = await self.list_files()
         if not listing:
             raise OriginError(f"s3://{self.spec.bucket}/{self.spec.prefix} holds no files")
         for rel, size in listing:
-            h = ChunkHasher(safe_relative_path(rel), chunk_size, len(chunks))
+            h = ChunkHasher(safe_relative_path(rel), chunk_size, len(chunks), algorithm)
             resp = await self._client.get_object(Bucket=self.spec.bucket, Key=self.spec.key(rel))
             async with resp["Body"] as body:
                 while piece := await body.read(4 * 1024 * 1024):
@@ -159,5 +159,5 @@ class S3Origin:
                 raise OriginError(f"{rel}: listed {size} bytes but read {fe.size}; was it overwritten?")
             files.append(fe)
             chunks.extend(cs)
-        return assemble(model, version, chunk_size, files, chunks)
+        return assemble(model, version, chunk_size, files, chunks, algorithm=algorithm)
 

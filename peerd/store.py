@@ -18,7 +18,6 @@ between wrote past the allocation and corrupted the heap ("double free or corrup
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -29,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from peerd import digests
 from peerd.manifest import Chunk, Manifest, parse_body
 
 log = logging.getLogger("peerd.store")
@@ -188,7 +188,7 @@ class VersionStore:
         if len(data) != c.size:
             raise ChunkDigestMismatch(f"chunk {index}: got {len(data)} bytes, manifest says {c.size}")
         if digest is None:
-            digest = hashlib.sha256(data).hexdigest()
+            digest = digests.hexdigest(self.manifest.hash_algorithm, data)
         if digest != c.digest:
             raise ChunkDigestMismatch(f"chunk {index}: digest {digest[:16]}… does not match manifest "
                                       f"{c.digest[:16]}…")
@@ -221,7 +221,7 @@ class VersionStore:
         c = self.manifest.chunks[index]
         fd = self._fds[c.file]
         data = os.pread(fd, c.size, c.offset)
-        if len(data) != c.size or hashlib.sha256(data).hexdigest() != c.digest:
+        if len(data) != c.size or digests.hexdigest(self.manifest.hash_algorithm, data) != c.digest:
             return False
         os.fdatasync(fd)
         os.pwrite(self._bitmap_fd, b"\x01", index)
@@ -264,7 +264,7 @@ class VersionStore:
         for f in self.manifest.files:
             st = os.stat(self.model_dir / f.path)
             files[f.path] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns,
-                             "sha256": f.digest}
+                             "digest": f.digest, "hash_algorithm": self.manifest.hash_algorithm}
         tmp = self.model_dir / ".verified.json.tmp"
         try:
             tmp.write_text(json.dumps({"version": self.manifest.version, "model": self.manifest.model,
@@ -297,7 +297,7 @@ class VersionStore:
             return True
         with open(self.model_dir / c.file, "rb") as f:
             data = os.pread(f.fileno(), c.size, c.offset)
-        return len(data) == c.size and hashlib.sha256(data).hexdigest() == c.digest
+        return len(data) == c.size and digests.hexdigest(self.manifest.hash_algorithm, data) == c.digest
 
     def unmark_verified(self, index: int) -> None:
         """A chunk found corrupt on disk is not verified any more (in memory; the owner's thread only),
@@ -321,7 +321,7 @@ class VersionStore:
         """Re-hash every file against the manifest's whole-file digests; return the bad paths."""
         bad = []
         for f in self.manifest.files:
-            h = hashlib.sha256()
+            h = digests.new(self.manifest.hash_algorithm)
             with open(self.model_dir / f.path, "rb") as fh:
                 while b := fh.read(8 * 1024 * 1024):
                     h.update(b)

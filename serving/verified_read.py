@@ -1,6 +1,6 @@
 """Read a version's files from peerd's store and prove every byte against its signed manifest while
-reading: each file is read once into memory, its chunks hashed in parallel threads (hashlib releases
-the GIL) as they arrive, and the tensors are then views of those very bytes. A file changed after
+reading: each file is read once into memory, its chunks hashed in parallel threads (SHA-256 and
+BLAKE3 both release the GIL) as they arrive, and the tensors are then views of those very bytes. A file changed after
 peerd verified it is refused, whatever its size, mtime or ``verified.json`` say.
 
 The chain of trust: the rollout checked the manifest's signature and names the version id; the store
@@ -8,7 +8,6 @@ keeps each version under ``versions/<version id>/``; the manifest found there mu
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from peerd import digests
 from peerd import manifest as mf
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -29,10 +29,6 @@ class VerifyError(RuntimeError):
     def __init__(self, code: str, message: str):
         super().__init__(message)
         self.code = code
-
-
-def _sha256(view: memoryview) -> str:
-    return hashlib.sha256(view).hexdigest()
 
 
 class VerifiedFiles:
@@ -73,7 +69,7 @@ class VerifiedFiles:
                         if not n:
                             raise VerifyError("altered", f"{rel} is shorter than the {entry.size} bytes the manifest says")
                         got += n
-                    pending.append((c, pool.submit(_sha256, piece)))
+                    pending.append((c, pool.submit(digests.hexdigest, self.manifest.hash_algorithm, piece)))
                 if fh.read(1):
                     raise VerifyError("altered", f"{rel} is longer than the {entry.size} bytes the manifest says")
                 for c, fut in pending:

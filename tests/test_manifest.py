@@ -97,3 +97,26 @@ def test_cli_build_and_verify(tmp_path, checkpoint, capsys):
     assert main(["manifest", "verify", str(out), "--trusted-key", str(tmp_path / "manifest-signing.pub"),
                  "--dir", str(checkpoint)]) == 1
     assert '"bad_files": ["model-00001-of-00003.safetensors"]' in capsys.readouterr().out
+
+
+def test_blake3_digests_are_a_manifest_choice(tmp_path, checkpoint, keys, capsys):
+    """The chunk and file digests follow ``hash_algorithm``; the version id is still the SHA-256 of the
+    signed body; an algorithm this peerd does not read is refused by name."""
+    from weightcast.cli import main
+    assert main(["keys", "generate", "--out", str(tmp_path)]) == 0
+    out = tmp_path / "m.json"
+    assert main(["manifest", "build", str(checkpoint), "--model", "tiny", "--version", "v2", "--hash", "blake3",
+                 "--key", str(tmp_path / "manifest-signing.pem"), "--chunk-size", "512K", "--out", str(out)]) == 0
+    m = mf.load_signed(out.read_bytes(), [load_public_key(tmp_path / "manifest-signing.pub")])
+    sha = mf.build_from_directory(checkpoint, "tiny", "v2", 512 * 1024)
+    assert m.hash_algorithm == "blake3" and [c.size for c in m.chunks] == [c.size for c in sha.chunks]
+    assert all(a.digest != b.digest for a, b in zip(m.chunks, sha.chunks))
+    assert main(["manifest", "verify", str(out), "--trusted-key", str(tmp_path / "manifest-signing.pub"),
+                 "--dir", str(checkpoint)]) == 0
+    (checkpoint / "model-00001-of-00003.safetensors").write_bytes(b"changed")
+    assert main(["manifest", "verify", str(out), "--trusted-key", str(tmp_path / "manifest-signing.pub"),
+                 "--dir", str(checkpoint)]) == 1
+    body = m.body()
+    body["hash_algorithm"] = "md5"
+    with pytest.raises(mf.ManifestError, match="unsupported hash algorithm 'md5'.*'blake3'"):
+        mf.parse_body(body)

@@ -24,16 +24,18 @@ def test_sizes_scale(tmp_path):
     assert big.param_count() > 8 * small.param_count()
 
 
-def test_verified_version_loads_and_answers_its_smoke_test(tmp_path, keys):
-    d = verified_version(tmp_path, "v1", seed=1, key=keys["private"])
+@pytest.mark.parametrize("algorithm", ["sha256", "blake3"])
+def test_verified_version_loads_and_answers_its_smoke_test(tmp_path, keys, algorithm):
+    d = verified_version(tmp_path, "v1", seed=1, key=keys["private"], algorithm=algorithm)
     r = load_model(d, "v1", torch.device("cpu"))
     ref = init_model(SMALL, 1)
     ids = torch.tensor([[1, 2, 3, 4]])
     assert torch.allclose(r.model(ids), ref(ids), atol=1e-5)
 
 
-def test_file_altered_after_verification_is_refused(tmp_path, keys):
-    d = verified_version(tmp_path, "v1", seed=1, key=keys["private"])
+@pytest.mark.parametrize("algorithm", ["sha256", "blake3"])
+def test_file_altered_after_verification_is_refused(tmp_path, keys, algorithm):
+    d = verified_version(tmp_path, "v1", seed=1, key=keys["private"], algorithm=algorithm)
     shard = sorted(d.glob("*.safetensors"))[0]
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0xFF

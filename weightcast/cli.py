@@ -12,6 +12,7 @@ from pathlib import Path
 
 from peerd import manifest as mf
 from peerd.config import default as peerd_default
+from peerd.digests import ALGORITHMS
 from peerd.policy import PolicyConfig
 from peerd.signing import KeyError_, generate_keypair, load_private_key, load_public_key
 from peerd.units import parse_rate, parse_size
@@ -52,12 +53,12 @@ def cmd_manifest_build(a) -> int:
 
         async def build():
             async with S3Origin(OriginSpec.parse_url(a.source, a.endpoint)) as o:
-                return await o.build_manifest(a.model, a.version, a.chunk_size)
+                return await o.build_manifest(a.model, a.version, a.chunk_size, a.hash)
         if not a.endpoint:
             raise SystemExit("building from s3:// needs --endpoint (or set AWS_ENDPOINT_URL)")
         m = asyncio.run(build())
     else:
-        m = mf.build_from_directory(Path(a.source), a.model, a.version, a.chunk_size)
+        m = mf.build_from_directory(Path(a.source), a.model, a.version, a.chunk_size, a.hash)
     data = mf.signed_bytes(m, load_private_key(a.key))
     a.out.write_bytes(data)
     print(json.dumps({**mf.summarize(m), "written": str(a.out)}))
@@ -151,7 +152,7 @@ def cmd_bench_allreduce(a) -> int:
 
 def cmd_bench_throughput(a) -> int:
     from bench.throughput import run_throughput_bench
-    res = asyncio.run(run_throughput_bench(a.size, a.chunk, a.downloaders))
+    res = asyncio.run(run_throughput_bench(a.size, a.chunk, a.downloaders, algorithm=a.hash))
     print(json.dumps(res, indent=None if a.json else 1))
     return 0 if not res["failed"] else 1
 
@@ -221,7 +222,8 @@ def cmd_publish(a) -> int:
     hosts = hosts_from_file(a.hosts) if a.hosts else [HostSpec(**h) for h in dev["hosts"]]
     req = PublishRequest(a.source, a.model, a.version, key,
                          OriginSpec(endpoint, bucket, a.prefix or f"{a.model}/{a.version}"), a.chunk_size,
-                         access_key=dev.get("s3", {}).get("access_key"), secret_key=dev.get("s3", {}).get("secret_key"))
+                         access_key=dev.get("s3", {}).get("access_key"), secret_key=dev.get("s3", {}).get("secret_key"),
+                         hash_algorithm=a.hash)
     rollout = {"router": a.router if a.router is not None else dev.get("router", ""),
                "previous_version": a.previous_version, "max_concurrent_loads": a.max_concurrent_loads,
                "pinned_versions": a.pin,
@@ -299,6 +301,8 @@ class TemporalUnreachable(RuntimeError):
     pass
 
 
+HASH_HELP = ("chunk digests: sha256 (default) or blake3 (about a quarter of the CPU per byte on every host "
+             "that receives, serves or loads it); the version id stays the SHA-256 of the signed manifest")
 _TEMPORAL_USED = False    # a Temporal client was made in this process (see entry())
 
 
@@ -589,6 +593,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--version", required=True)
     b.add_argument("--key", type=Path, required=True, help="Ed25519 private key (PEM)")
     b.add_argument("--chunk-size", type=parse_size, default=mf.DEFAULT_CHUNK_SIZE, help="default 64MiB")
+    b.add_argument("--hash", choices=ALGORITHMS, default=mf.HASH_ALGORITHM, help=HASH_HELP)
     b.add_argument("--endpoint", default=None, help="S3 endpoint URL for s3:// sources")
     b.add_argument("--out", type=Path, default=Path("manifest.json"))
     b.set_defaults(fn=cmd_manifest_build)
@@ -642,6 +647,7 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("--size", type=parse_size, default=parse_size("1G"))
     bp.add_argument("--chunk", type=parse_size, default=parse_size("4M"))
     bp.add_argument("--downloaders", type=positive_int, default=1)
+    bp.add_argument("--hash", choices=ALGORITHMS, default=mf.HASH_ALGORITHM, help=HASH_HELP)
     bp.add_argument("--json", action="store_true")
     bp.set_defaults(fn=cmd_bench_throughput)
 
@@ -703,6 +709,7 @@ def build_parser() -> argparse.ArgumentParser:
     pb.add_argument("--unreachable-after", type=float, default=120.0,
                     help="seconds without a worker on a host's queue before it is excluded")
     pb.add_argument("--chunk-size", type=parse_size, default=mf.DEFAULT_CHUNK_SIZE)
+    pb.add_argument("--hash", choices=ALGORITHMS, default=mf.HASH_ALGORITHM, help=HASH_HELP)
     pb.add_argument("--temporal", default=None, help="default 127.0.0.1:7233")
     pb.add_argument("--namespace", default="default")
     pb.add_argument("--dev", type=Path, help="take S3, hosts, router, Temporal and key from `weightcast dev up --dir`")

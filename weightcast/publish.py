@@ -57,6 +57,7 @@ class PublishRequest:
     chunk_size: int = mf.DEFAULT_CHUNK_SIZE
     access_key: str | None = None   # default: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY
     secret_key: str | None = None
+    hash_algorithm: str = mf.HASH_ALGORITHM     # chunk digests: sha256, or blake3 (cheaper per byte)
 
 
 @dataclass
@@ -71,7 +72,8 @@ async def upload(req: PublishRequest) -> Published:
     if not req.source.is_dir():
         raise PublishError(f"{req.source} is not a directory; give the checkpoint directory training wrote")
     key = load_private_key(req.key)
-    m = await asyncio.to_thread(mf.build_from_directory, req.source, req.model, req.version, req.chunk_size)
+    m = await asyncio.to_thread(mf.build_from_directory, req.source, req.model, req.version, req.chunk_size,
+                                req.hash_algorithm)
     signed = mf.signed_bytes(m, key)
     where = f"s3://{req.origin.bucket}/{req.origin.prefix}"
     try:
