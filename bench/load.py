@@ -23,10 +23,10 @@ from serving.loader import load_model, pick_device
 from serving.model import ModelConfig
 
 
-def _store_version(src: Path, store_root: Path, version: str, chunk_size: int) -> Path:
+def _store_version(src: Path, store_root: Path, version: str, chunk_size: int, algorithm: str) -> Path:
     """Lay the checkpoint out as peerd would have: in its store, chunk by chunk, with manifest and
     verified.json (signed with a throwaway key: the loader checks digests, the rollout signatures)."""
-    m = mf.build_from_directory(src, "bench", version, chunk_size=chunk_size)
+    m = mf.build_from_directory(src, "bench", version, chunk_size=chunk_size, algorithm=algorithm)
     vs = ChunkStore(store_root).open_version(m, mf.signed_bytes(m, Ed25519PrivateKey.generate()))
     vs.import_files(src)
     vs.write_verified()
@@ -58,12 +58,13 @@ def _h2d_gbps(nbytes: int) -> float | None:
     return 5 * nbytes / (time.perf_counter() - t0) / 1e9
 
 
-def run_load_bench(size: int, repeats: int = 3, workdir: Path | None = None, chunk_size: int = 64 << 20) -> dict:
+def run_load_bench(size: int, repeats: int = 3, workdir: Path | None = None, chunk_size: int = 64 << 20,
+                   algorithm: str = "sha256") -> dict:
     work = Path(workdir or tempfile.mkdtemp(prefix="wc-load-"))
     try:
         cfg = ModelConfig.for_size(size)
         src = write_checkpoint(work / "ckpt", cfg, seed=1, shard_bytes=512 << 20, version="bench")
-        d = _store_version(src, work / "store", "bench", chunk_size)
+        d = _store_version(src, work / "store", "bench", chunk_size, algorithm)
         shutil.rmtree(src)
         nbytes = _read_all(d)                        # warm the page cache
         device = pick_device()
@@ -78,7 +79,8 @@ def run_load_bench(size: int, repeats: int = 3, workdir: Path | None = None, chu
             del r
         read_gbps, load_gbps = max(reads), max(loads)
         return {"size_bytes": nbytes, "model": cfg.to_dict(), "device": str(device), "repeats": repeats,
-                "load_includes": "read + SHA-256 of every byte against the manifest + tensors resident on the device",
+                "load_includes": f"read + {algorithm} of every byte against the manifest + tensors resident on the device",
+                "hash_algorithm": algorithm,
                 "chunk_size": chunk_size,
                 "pagecache_read_gbps": round(read_gbps, 3), "load_gbps": round(load_gbps, 3),
                 "load_over_read": round(load_gbps / read_gbps, 3),
