@@ -70,6 +70,7 @@ class TrainingActivities:
         swarm = self._swarm(inp.run, root) if node_local(inp.checkpoint_dir) else None
         spec.write_text(json.dumps({"rank": inp.rank, "config": inp.config, "out_dir": str(d), "durable": {
             "init_method": inp.init_method, "checkpoints": str(root), "every": inp.checkpoint_every,
+            "every_s": inp.checkpoint_every_s,
             "progress": str(progress), "collective_timeout_s": inp.collective_timeout_s,
             "control": str(self._control(inp.run)), "local_checkpoints": swarm is not None}}))
         archiver = Archiver(inp.archive, root) if inp.archive else None

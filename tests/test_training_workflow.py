@@ -198,10 +198,15 @@ async def test_the_cli_starts_watches_and_reports_a_run(tmp_path, keys, capsys):
         target = env.client.service_client.config.target_host
         try:
             async with control_worker.build(env.client, [keys["pub_path"]]):
-                rc, out = await cli("train", "start", "--run", "cli", "--hosts", "t0,t1", "--checkpoint-dir",
-                                    str(tmp_path / "c"), "--checkpoint-every", "5", "--export", str(tmp_path / "out"),
+                # the hosts from a file; checkpoints by time only (never by steps in a 40-step run)
+                (tmp_path / "hosts.txt").write_text("# rank hosts, then spares\nt0\nt1\n")
+                rc, out = await cli("train", "start", "--run", "cli", "--hosts", str(tmp_path / "hosts.txt"),
+                                    "--checkpoint-dir", str(tmp_path / "c"), "--checkpoint-every", "1000",
+                                    "--checkpoint-every-s", "0.05", "--export", str(tmp_path / "out"),
                                     "--wait", "--temporal", target, *[f"--set={c}" for c in CONFIG])
                 assert rc == 0
+                saved = sorted(int(p.name.removeprefix("step-")) for p in (tmp_path / "c").glob("step-*"))
+                assert saved[-1] == 40 and len(saved) > 1, saved     # the final one and ones due by time
                 final = json.loads(out.strip().splitlines()[-1])
                 assert final["status"] == "COMPLETED" and final["phase"] == "done" and final["final_loss"] > 0
                 rc, out = await cli("train", "status", "cli", "--temporal", target)

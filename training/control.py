@@ -2,6 +2,8 @@
 
 The workflow writes them to a small JSON file on rank 0's host (``set_run_control``); rank 0 reads it
 after every step and broadcasts it, so every rank acts at the same step (a checkpoint is a collective).
+Rank 0's clock travels the same way: a checkpoint due by time (``checkpoint_every_s``) is due on every
+rank at the same step, whatever their own clocks say.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import torch.distributed as dist
 class Control:
     pause: bool = False
     checkpoint_seq: int = 0           # bumped by every checkpoint-now request
+    time_due: bool = False            # rank 0: checkpoint_every_s has passed since the last save
 
 
 def read(path: Path) -> Control:
@@ -35,11 +38,12 @@ def write(path: Path, control: Control) -> None:
     os.replace(tmp, path)
 
 
-def agree(path: Path, rank: int, group) -> Control:
-    """Rank 0's reading of the file, on every rank."""
+def agree(path: Path, rank: int, group, time_due: bool = False) -> Control:
+    """Rank 0's reading of the file (and of its clock: ``time_due``), on every rank."""
     mine = read(path) if rank == 0 else Control()
+    mine.time_due = time_due if rank == 0 else False
     if group is None:
         return mine
-    t = torch.tensor([int(mine.pause), mine.checkpoint_seq], dtype=torch.int64)
+    t = torch.tensor([int(mine.pause), mine.checkpoint_seq, int(mine.time_due)], dtype=torch.int64)
     dist.broadcast(t, 0, group=group)
-    return Control(bool(t[0]), int(t[1]))
+    return Control(bool(t[0]), int(t[1]), bool(t[2]))

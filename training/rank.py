@@ -142,7 +142,7 @@ def run_rank(rank: int, cfg_dict: dict, out_dir: str, durable: dict | None = Non
             "step": step, "loss": loss, "step_s": seconds, "last_checkpoint": ckpt.last_complete,
             "first_step": start, "save_stall_s": sum(stalls), "saves": len(stalls), "t": time.time(),
             "pid": os.getpid(), "startup": startup})
-    paused, seen = False, 0
+    paused, seen, last_save = False, 0, time.monotonic()
     if durable:
         report(start, None, None)                     # resumed (or started): the supervisor sees where
     # operator requests travel on their own group: the checkpoint group is busy in the background save's
@@ -194,14 +194,17 @@ def run_rank(rank: int, cfg_dict: dict, out_dir: str, durable: dict | None = Non
         samples.append(mine)
         if durable:
             ckpt.poll()
-            ctl = agree(Path(durable["control"]), rank, ctl_group) if durable.get("control") else None
-            due = (step + 1) % durable["every"] == 0
+            every_s = durable.get("every_s") or 0
+            ctl = (agree(Path(durable["control"]), rank, ctl_group, bool(every_s) and time.monotonic() - last_save >= every_s)
+                   if durable.get("control") else None)
+            due = (step + 1) % durable["every"] == 0 or bool(ctl and ctl.time_due)
             if ctl and ctl.checkpoint_seq > seen:          # checkpoint-now from the operator
                 seen, due = ctl.checkpoint_seq, True
             if due and step + 1 < cfg.steps and not (ctl and ctl.pause):
                 t_save = time.perf_counter()       # the stall: collecting the state and handing it over
                 ckpt.save(step + 1, train_state(), asynchronous=not durable.get("synchronous"))
                 stalls.append(time.perf_counter() - t_save)
+                last_save = time.monotonic()
             report(step + 1, loss, step_s[-1])
             if ctl and ctl.pause and step + 1 < cfg.steps:
                 paused = True

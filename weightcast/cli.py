@@ -383,6 +383,23 @@ def _print_started(handle) -> None:
     print(json.dumps({"workflow_id": handle.id, "run_id": handle.result_run_id}))
 
 
+def _train_hosts(spec: str) -> list[str]:
+    """``--hosts``: ids comma-separated, or a file of them (lines, a JSON list, or a fleet inventory)."""
+    path = Path(spec)
+    if not path.is_file():
+        return [h for h in spec.split(",") if h]
+    text = path.read_text()
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        return [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    if not isinstance(doc, list) or not all(isinstance(h, str) or (isinstance(h, dict) and isinstance(h.get("id"), str))
+                                            for h in doc):
+        raise SystemExit(f"error: {path}: a hosts file is one id per line, a JSON list of ids, or a fleet "
+                         'inventory [{"id": ...}, ...]')
+    return [h if isinstance(h, str) else h["id"] for h in doc]
+
+
 def cmd_train(a) -> int:
     """start | status | pause | resume | abort | checkpoint: durable training runs (TrainingWorkflow)."""
     from weightcast.training_runs import check_training, start_training, training_id, training_status
@@ -392,8 +409,9 @@ def cmd_train(a) -> int:
         from training.config import TrainConfig
         from workflows.training_types import TrainingInput
         cfg = TrainConfig.load(a.config, a.set)
-        inp = TrainingInput(run=a.run, config=cfg.to_dict(), hosts=[h for h in a.hosts.split(",") if h],
+        inp = TrainingInput(run=a.run, config=cfg.to_dict(), hosts=_train_hosts(a.hosts),
                             checkpoint_dir=str(a.checkpoint_dir.resolve()), checkpoint_every=a.checkpoint_every,
+                            checkpoint_every_s=a.checkpoint_every_s,
                             export_dir=str(a.export.resolve()) if a.export else "",
                             rollout=_training_rollout(a), publish_chunk_size=a.chunk_size,
                             min_world_size=a.min_world_size, checkpoint_archive=_archive(a))
@@ -751,11 +769,16 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
             p.add_argument("--run", required=True, help="the run's name: its workflow is train-<run>")
             p.add_argument("--hosts", required=True,
-                           help="host ids, comma-separated: the first world_size run ranks, the rest are spares")
+                           help="host ids, comma-separated, or a file of them (one per line, a JSON list of ids, "
+                                "or a fleet inventory [{\"id\": ...}]): the first world_size run ranks, the rest "
+                                "are spares")
             p.add_argument("--checkpoint-dir", type=Path, required=True, help="a directory every host reaches (a shared volume), or with {host} in it each host's own disk "
                                 "('/nvme/ckpt/{host}'): every checkpoint is then replicated to the ranks' hosts "
                                 "through peerd's swarm (the host workers need --peerd, --token and --store)")
             p.add_argument("--checkpoint-every", type=int, default=10, help="steps between async checkpoints")
+            p.add_argument("--checkpoint-every-s", type=float, default=0.0,
+                           help="also checkpoint once this many seconds have passed since the last save "
+                                "(rank 0's clock; 0, the default: by steps only)")
             p.add_argument("--export", type=Path, help="write the finished weights here (safetensors + smoke)")
             p.add_argument("--checkpoint-archive", metavar="s3://BUCKET/PREFIX",
                            help="also copy every complete checkpoint here (endpoint: --endpoint or "

@@ -42,6 +42,8 @@ def check_training(inp: TrainingInput) -> None:
         raise ConfigError("shrinking on host loss (min_world_size) needs layout ddp")
     if inp.checkpoint_every < 1:
         raise ConfigError("checkpoint_every must be at least 1 step")
+    if not inp.checkpoint_every_s >= 0:
+        raise ConfigError("checkpoint_every_s is seconds between time-based checkpoints, >= 0 (0: by steps only)")
     problems = rollout_problems(inp)
     if problems:
         raise ConfigError("training not started, its rollout would be refused: " + "; ".join(problems))

@@ -219,7 +219,8 @@ class TrainingWorkflow:
         config = dict(inp.config, world_size=len(st.ranks))      # fewer after a shrink
         handles = self._handles = [workflow.start_activity(
             "train_rank", TrainRankInput(inp.run, r, config, init, st.attempt, inp.checkpoint_dir,
-                                         inp.checkpoint_every, inp.collective_timeout_s, inp.checkpoint_archive),
+                                         inp.checkpoint_every, inp.collective_timeout_s, inp.checkpoint_archive,
+                                         inp.checkpoint_every_s),
             result_type=TrainRankResult, task_queue=host_queue(host),
             start_to_close_timeout=timedelta(seconds=inp.run_timeout_s),
             # a host whose worker never picks the rank up is as lost as one that stops heartbeating

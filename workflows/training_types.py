@@ -31,6 +31,7 @@ class TrainingInput:
     # durable chain. Its manifest is left unset: publishing sets it. Checked before any rank starts.
     rollout: RolloutInput | None = None
     publish_chunk_size: int = 64 << 20
+    checkpoint_every_s: float = 0.0     # also checkpoint when this long has passed since the last save (0: off)
 
 
 HOST_PLACEHOLDER = "{host}"
@@ -65,6 +66,7 @@ class TrainRankInput:
     checkpoint_every: int
     collective_timeout_s: float
     archive: dict | None = None         # TrainingInput.checkpoint_archive
+    checkpoint_every_s: float = 0.0
 
 
 @dataclass
