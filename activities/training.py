@@ -16,6 +16,7 @@ import socket
 import sys
 from pathlib import Path
 
+import aiohttp
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
@@ -107,7 +108,7 @@ class TrainingActivities:
             except asyncio.CancelledError:
                 swarm.cancel()
                 raise
-            except (RuntimeError, TimeoutError) as e:
+            except (RuntimeError, TimeoutError, aiohttp.ClientError) as e:
                 raise ApplicationError(f"rank {inp.rank} on {self.host_id} finished, but its final checkpoint "
                                        f"was not replicated here: {e}", type="RankFailed", non_retryable=True) from e
         if archiver and inp.rank == 0 and proc.returncode == 0:

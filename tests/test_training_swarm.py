@@ -70,3 +70,13 @@ async def test_a_replacement_host_gets_the_checkpoint_from_its_peers(tmp_path, k
     # both ranks' hosts end with the final checkpoint whole, and the export came from it
     assert STEPS in complete_steps(tmp_path, "s0") and STEPS in complete_steps(tmp_path, "s2")
     assert (tmp_path / "export").is_dir()
+
+
+async def test_a_host_whose_peerd_is_down_resumes_from_its_own_checkpoints(tmp_path, caplog):
+    """No answer from this host's peerd: nothing fetched, said in the log, and the rank starts anyway
+    (from whatever whole checkpoints this host has)."""
+    from training.checkpoint_swarm import CheckpointSwarm
+    from weightcast.stack.ports import free_ports
+    swarm = CheckpointSwarm("r", tmp_path / "ckpt", f"http://127.0.0.1:{free_ports(1)[0]}", "t", tmp_path / "store")
+    assert await swarm.restore_newest() is None
+    assert "did not answer" in caplog.text and "own checkpoints" in caplog.text

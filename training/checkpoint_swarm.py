@@ -162,7 +162,13 @@ class CheckpointSwarm:
         bytes_from_origin}; None: this host is as new as any peer)."""
         local = [step_of(p) for p in self.root.glob("step-*") if (p / MARK).is_file()] if self.root.is_dir() else []
         mine = max(local, default=-1)
-        for step, vid in await self._held_by_peers():
+        try:
+            held = await self._held_by_peers()
+        except (PeerdError, aiohttp.ClientError, asyncio.TimeoutError) as e:
+            log.warning("this host's peerd at %s did not answer (%s): resuming from this host's own checkpoints",
+                        self.peerd, e)
+            return None
+        for step, vid in held:
             if step <= mine:
                 return None
             try:
@@ -239,8 +245,13 @@ class CheckpointSwarm:
         if not step_path.is_dir():
             return                                  # pruned by the rank meanwhile
         for f in m.files:
-            if f.path != MARK and not (step_path / f.path).exists():
-                _link(vdir / f.path, step_path / f.path)
+            here = step_path / f.path
+            if f.path == MARK:
+                continue
+            if here.exists() and here.stat().st_size != f.size:
+                here.unlink()                       # a stale file under the same name: the verified one wins
+            if not here.exists():
+                _link(vdir / f.path, here)
         write_atomic(step_path / MARK, (vdir / MARK).read_bytes())
 
     async def _forget_older(self, c: PeerdClient) -> None:
