@@ -59,7 +59,7 @@ def _h2d_gbps(nbytes: int) -> float | None:
 
 
 def run_load_bench(size: int, repeats: int = 3, workdir: Path | None = None, chunk_size: int = 64 << 20,
-                   algorithm: str = "sha256") -> dict:
+                   algorithm: str = mf.HASH_ALGORITHM) -> dict:
     work = Path(workdir or tempfile.mkdtemp(prefix="wc-load-"))
     try:
         cfg = ModelConfig.for_size(size)

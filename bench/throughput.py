@@ -36,7 +36,7 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def hash_cpu_s_per_gib(algorithm: str = "sha256", sample: int = 256 << 20) -> float:
+def hash_cpu_s_per_gib(algorithm: str = mf.HASH_ALGORITHM, sample: int = 256 << 20) -> float:
     data = os.urandom(1 << 20)
     t0 = time.process_time()
     h = digests.new(algorithm)
@@ -46,7 +46,7 @@ def hash_cpu_s_per_gib(algorithm: str = "sha256", sample: int = 256 << 20) -> fl
 
 
 async def run_throughput_bench(size: int, chunk: int, downloaders: int, timeout: float = 600.0,
-                               algorithm: str = "sha256") -> dict:
+                               algorithm: str = mf.HASH_ALGORITHM) -> dict:
     work = Path(tempfile.mkdtemp(prefix="wc-tput-"))
     s3 = SeaweedS3(work / "s3").start()
     procs: list[PeerdProc] = []

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from aiobotocore.session import get_session
 from botocore.config import Config
 
-from peerd.manifest import ChunkHasher, Manifest, assemble, safe_relative_path
+from peerd.manifest import HASH_ALGORITHM, ChunkHasher, Manifest, assemble, safe_relative_path
 
 
 class OriginError(RuntimeError):
@@ -142,7 +142,7 @@ class S3Origin:
                     out.append((rel, o["Size"]))
         return sorted(out)
 
-    async def build_manifest(self, model: str, version: str, chunk_size: int, algorithm: str = "sha256") -> Manifest:
+    async def build_manifest(self, model: str, version: str, chunk_size: int, algorithm: str = HASH_ALGORITHM) -> Manifest:
         """Stream every object once through the chunk hasher; nothing lands on local disk."""
         files, chunks = [], []
         listing = await self.list_files()

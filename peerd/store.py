@@ -17,6 +17,7 @@ between wrote past the allocation and corrupted the heap ("double free or corrup
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -194,39 +195,50 @@ class VersionStore:
                                       f"{c.digest[:16]}…")
         if self.bits[index]:
             return False
-        with self._io:
-            if self._closed:
-                raise StoreError(f"version {self.vid[:12]} was closed (removed) while chunk {index} was arriving")
-            self._writers += 1
-        try:
+        with self._open_fds(index):
             fd = self._fds[c.file]
-            written = os.pwrite(fd, data, c.offset)
-            if written != c.size:
-                raise StoreError(f"short write of chunk {index}: {written} of {c.size} bytes")
-            os.fdatasync(fd)
-            os.pwrite(self._bitmap_fd, b"\x01", index)
-            os.fdatasync(self._bitmap_fd)
-        except OSError as e:
-            _raise_if_enospc(e, f"writing chunk {index}")
-            raise
-        finally:
-            with self._io:
-                self._writers -= 1
-                self._io.notify_all()
+            try:
+                written = os.pwrite(fd, data, c.offset)
+                if written != c.size:
+                    raise StoreError(f"short write of chunk {index}: {written} of {c.size} bytes")
+                self._durable(fd, index)
+            except OSError as e:
+                _raise_if_enospc(e, f"writing chunk {index}")
+                raise
         return True
 
     def adopt_chunk(self, index: int) -> bool:
         """A chunk already in place (its file linked in before the job started) becomes verified when its
         bytes match the manifest: made durable, its bitmap byte written. Blocking: a worker thread."""
         c = self.manifest.chunks[index]
-        fd = self._fds[c.file]
-        data = os.pread(fd, c.size, c.offset)
-        if len(data) != c.size or digests.hexdigest(self.manifest.hash_algorithm, data) != c.digest:
-            return False
+        with self._open_fds(index):
+            fd = self._fds[c.file]
+            data = os.pread(fd, c.size, c.offset)
+            if len(data) != c.size or digests.hexdigest(self.manifest.hash_algorithm, data) != c.digest:
+                return False
+            self._durable(fd, index)
+        return True
+
+    @contextlib.contextmanager
+    def _open_fds(self, index: int):
+        """The version's fds stay open (``close`` waits) while a worker thread uses them: a closed fd
+        number can be reused at once, and a late write would land in someone else's file."""
+        with self._io:
+            if self._closed:
+                raise StoreError(f"version {self.vid[:12]} was closed (removed) while chunk {index} was arriving")
+            self._writers += 1
+        try:
+            yield
+        finally:
+            with self._io:
+                self._writers -= 1
+                self._io.notify_all()
+
+    def _durable(self, fd: int, index: int) -> None:
+        """The chunk's bytes, then its bitmap byte, on disk: a set bit is always true after a crash."""
         os.fdatasync(fd)
         os.pwrite(self._bitmap_fd, b"\x01", index)
         os.fdatasync(self._bitmap_fd)
-        return True
 
     def mark_verified(self, index: int) -> None:
         """Set a chunk's in-memory bit after ``write_chunk``; only on the owner's thread."""

@@ -192,6 +192,9 @@ async def test_the_cli_starts_watches_and_reports_a_run(tmp_path, keys, capsys):
     assert main(["train", "start", "--run", "r", "--hosts", "t0", "--checkpoint-dir", str(tmp_path / "c"),
                  "--temporal", "127.0.0.1:1", *[f"--set={c}" for c in CONFIG]]) == 2
     assert "needs 2 ranks but only 1 hosts" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="hosts file .*missing.txt not found"):
+        main(["train", "start", "--run", "r", "--hosts", str(tmp_path / "missing.txt"), "--checkpoint-dir",
+              str(tmp_path / "c"), "--temporal", "127.0.0.1:1", *[f"--set={c}" for c in CONFIG]])
     async with await WorkflowEnvironment.start_local(dev_server_existing_path=temporal_binary(),
                                                      search_attributes=SEARCH_ATTRIBUTES) as env:
         procs = await hosts(env, tmp_path, ["t0", "t1"])

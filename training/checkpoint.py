@@ -60,9 +60,11 @@ def _sha256(f: Path) -> str:
     return h.hexdigest()
 
 
-def _digests(f: Path, chunk_size: int) -> list:
-    """[size, SHA-256, [chunk SHA-256s]]: one read gives the whole-file digest the resume checks and
-    the chunk digests a swarm manifest needs."""
+def _digests(f: Path, chunk_size: int | None) -> list:
+    """[size, SHA-256], and with ``chunk_size`` the chunk SHA-256s a swarm manifest needs (node-local
+    checkpoints: one read, each byte hashed twice); on a shared volume nothing needs them."""
+    if chunk_size is None:
+        return [f.stat().st_size, _sha256(f)]
     hasher = ChunkHasher(f.name, chunk_size, 0)
     for piece in iter_file_pieces(f, 1 << 20):
         hasher.update(piece)
@@ -75,7 +77,7 @@ def mark_bytes(step: int, parts: list[dict]) -> bytes:
     files: dict = {}
     for p in parts:
         files.update(p["files"])
-    return json.dumps({"step": step, "world_size": parts[0]["world_size"], "chunk_size": parts[0]["chunk_size"],
+    return json.dumps({"step": step, "world_size": parts[0]["world_size"], "chunk_size": parts[0].get("chunk_size"),
                        "files": files}, sort_keys=True).encode()
 
 
@@ -84,8 +86,9 @@ def _own_files(path: Path, rank: int) -> list[Path]:
     return sorted(path.glob(f"__{rank}_*.distcp")) + ([path / ".metadata"] if rank == 0 else [])
 
 
-def write_digests(path: Path, rank: int, world_size: int, chunk_size: int = CHUNK_SIZE) -> bytes:
-    """This rank's share of the completion mark: the size, SHA-256 and chunk digests of each file it wrote."""
+def write_digests(path: Path, rank: int, world_size: int, chunk_size: int | None = None) -> bytes:
+    """This rank's share of the completion mark: the size and SHA-256 of each file it wrote (and with
+    ``chunk_size`` its chunk digests)."""
     files = {f.name: _digests(f, chunk_size) for f in _own_files(path, rank)}
     raw = json.dumps({"rank": rank, "world_size": world_size, "chunk_size": chunk_size, "files": files}).encode()
     tmp = path / f"digests-{rank}.json.tmp"
@@ -259,7 +262,7 @@ class Checkpointer:
         self._mark()
 
     def _finished(self, step: int, path: Path) -> None:
-        raw = write_digests(path, self.rank, self.world)
+        raw = write_digests(path, self.rank, self.world, CHUNK_SIZE if self.local else None)
         if self.kv is not None:
             self.kv.set(f"ckpt/{step}/{self.rank}", raw)
         with self.lock:

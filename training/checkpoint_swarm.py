@@ -123,10 +123,7 @@ class CheckpointSwarm:
             if not pending:
                 return
             newest, st = pending[-1]
-            if time.time() - st["last_progress"] > self.stall_s:
-                raise TimeoutError(f"checkpoint {newest.name}: nothing new verified for {self.stall_s:.0f} s "
-                                   f"({st['chunks_done']}/{st['chunks_total']} chunks): the hosts holding the "
-                                   "rest are gone")
+            self._raise_if_stalled(newest.name, st)
             await asyncio.sleep(0.1)
 
     def cancel(self) -> None:
@@ -212,6 +209,12 @@ class CheckpointSwarm:
         return sorted(found.items(), reverse=True)
 
     # ---------------------------------------------------------------- helpers
+    def _raise_if_stalled(self, name: str, st: dict) -> None:
+        if time.time() - st["last_progress"] > self.stall_s:
+            raise TimeoutError(f"checkpoint {name}: nothing new verified for {self.stall_s:.0f} s "
+                               f"({st['chunks_done']}/{st['chunks_total']} chunks): the hosts holding the "
+                               "rest are gone")
+
     async def _start_pinned(self, c: PeerdClient, vid: str, within_s: float = 15.0) -> None:
         """A fresh peerd learns who holds what from gossip within a second or so: until then it cannot
         find the manifest (502), so ask again for a while."""
@@ -233,11 +236,11 @@ class CheckpointSwarm:
                 return
             if st["state"] in ("failed", "stopped"):
                 raise RuntimeError(f"checkpoint {m.version} not replicated: {st.get('error')}")
-            if time.time() - st["last_progress"] > self.stall_s:
+            try:
+                self._raise_if_stalled(m.version, st)
+            except TimeoutError:
                 await c.stop_job(m.digest, "no peer holds the rest")
-                raise TimeoutError(f"checkpoint {m.version}: nothing new verified for {self.stall_s:.0f} s "
-                                   f"({st['chunks_done']}/{st['chunks_total']} chunks): the hosts holding the "
-                                   "rest are gone")
+                raise
             await asyncio.sleep(0.1)
 
     def _materialize(self, step_path: Path, vdir: Path, m: mf.Manifest) -> None:

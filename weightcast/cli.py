@@ -387,6 +387,8 @@ def _train_hosts(spec: str) -> list[str]:
     """``--hosts``: ids comma-separated, or a file of them (lines, a JSON list, or a fleet inventory)."""
     path = Path(spec)
     if not path.is_file():
+        if "/" in spec:                     # host ids never hold a slash: a hosts file that is not there
+            raise SystemExit(f"error: hosts file {spec} not found (or give the ids: --hosts h0,h1)")
         return [h for h in spec.split(",") if h]
     text = path.read_text()
     try:
