@@ -49,7 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-cross-rack-peers", type=int, default=PolicyConfig().max_cross_rack_peers,
                     help="peers in other racks a download tracks at once")
     ap.add_argument("--gossip-interval", type=float, default=default("gossip_interval"))
-    ap.add_argument("--have-interval", type=float, default=default("have_interval"))
+    ap.add_argument("--have-interval", type=float, default=default("have_interval"),
+                    help="a verified chunk is pushed to the active peers within this many seconds")
+    ap.add_argument("--have-refresh", type=float, default=default("have_refresh"),
+                    help="pushes to active peers without news (upload load, liveness) while busy")
     ap.add_argument("--dead-after", type=float, default=default("dead_after"))
     ap.add_argument("--header-timeout", type=float, default=default("header_timeout"),
                     help="seconds a connection may take to send a request head (default 10)")
@@ -66,7 +69,8 @@ def config_from_args(a) -> PeerdConfig:
     return PeerdConfig(host_id=a.id, store=a.store, listen_host=a.listen, port=a.port, advertise=a.advertise,
                        rack=a.rack, token=a.token, trusted_keys=a.trusted_key, seed_peers=a.peer,
                        upload_rate=a.upload_rate, download_rate=a.download_rate, origin_rate=a.origin_rate,
-                       gossip_interval=a.gossip_interval, have_interval=a.have_interval, dead_after=a.dead_after,
+                       gossip_interval=a.gossip_interval, have_interval=a.have_interval,
+                       have_refresh=a.have_refresh, dead_after=a.dead_after,
                        reserve_bytes=a.reserve_bytes, max_members=a.max_members,
                        header_timeout=a.header_timeout, max_connections=a.max_connections,
                        ready_file=a.ready_file, max_uploads=a.max_uploads,

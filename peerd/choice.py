@@ -24,6 +24,23 @@ def rarity_key(holders: np.ndarray, cols: np.ndarray, table: np.ndarray, offset:
     return holders.astype(np.int32) * _T + table[(cols + offset[:, None]) & (_T - 1)]
 
 
+def origin_owner(n_chunks: int, live: np.ndarray) -> np.ndarray:
+    """Which seeder reads each chunk from the origin, as a position in the job's sorted seeder list
+    (-1: no seeder left). Chunk ``c`` is seeder ``c mod n``'s; a dead seeder's chunks are dealt
+    round-robin over the living, and nobody else's move: re-dividing every stripe by the live count
+    hands chunks already read (but not yet known to the new owner's peers) to a seeder that reads
+    them again (1.02-1.03 origin copies with 5 % of hosts dying, against 1.00 without deaths)."""
+    n = len(live)
+    c = np.arange(n_chunks)
+    own = c % n
+    alive = np.flatnonzero(live)
+    if len(alive) == 0:
+        return np.full(n_chunks, -1)
+    dead = ~live[own]
+    own[dead] = alive[(c[dead] // n) % len(alive)]
+    return own
+
+
 def origin_order(stripe: np.ndarray, stride: int, spread: int, table: np.ndarray, offset: np.ndarray,
                  row: int) -> np.ndarray:
     """A seeder's next origin reads, best first: its remaining stripe (chunk ids ``stride`` apart)

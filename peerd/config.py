@@ -24,7 +24,8 @@ class PeerdConfig:
     max_uploads: int = 8                        # concurrent chunk uploads before answering 503 busy (= max_inflight: docs/peerd.md)
     gossip_interval: float = 1.0                # seconds between gossip rounds
     gossip_fanout: int = 3                      # random peers per round (plus active swarm peers)
-    have_interval: float = 0.1                  # bitmap pushes to active peers while downloading
+    have_interval: float = 0.025                # a verified chunk is pushed to the active peers within this
+    have_refresh: float = 0.1                   # pushes to active peers without news (load, liveness) while busy
     dead_after: float = 5.0                     # seconds without hearing from a peer → dead
     max_active_peers: int = 32                  # peers a job's policy tracks
     max_members: int = 10_000                   # members this host remembers (gossip cannot grow it further)

@@ -44,7 +44,8 @@ class Daemon:
         self.membership: Membership | None = None
         self.http: aiohttp.ClientSession | None = None
         self._loops: list[asyncio.Task] = []
-        self._announce = asyncio.Event()
+        self._wake = asyncio.Event()                 # something to push: a finished chunk, a new or finished job
+        self._full_due = False                       # ... that every member should hear (a job started or finished)
         self.runner: web.AppRunner | None = None
 
     # ---------------------------------------------------------------- lifecycle
@@ -206,7 +207,15 @@ class Daemon:
         self.metrics.peers_alive.set(len(self.membership.live()))
 
     def announce_soon(self) -> None:
-        self._announce.set()
+        """A job started or finished: a full gossip round now."""
+        self._full_due = True
+        self._wake.set()
+
+    def have_news(self) -> None:
+        """A chunk was verified and stored: push it to the active swarm within ``have_interval``
+        (every hop of every chunk waits for this push; at 0.1 s batches the simulator lost 2-3 % of
+        the fleet's download rate to it)."""
+        self._wake.set()
 
     async def _gossip_to(self, member) -> None:
         try:
@@ -230,16 +239,21 @@ class Daemon:
                 if j.policy is not None and j.state == "fetching":
                     active |= {p for p, s in j.policy.peers.items() if s.alive}
             # while downloading, push bitmaps to the active swarm often (HAVE); otherwise gossip slowly
-            if now >= next_full or self._announce.is_set():
+            if now >= next_full or self._full_due:
                 targets = self.membership.gossip_targets(cfg.gossip_fanout, active if fetching else set())
                 next_full = now + cfg.gossip_interval
             else:
                 targets = [self.membership.members[i] for i in active if i in self.membership.members]
-            self._announce.clear()
+            self._full_due = False
+            self._wake.clear()
             await asyncio.gather(*(self._gossip_to(m) for m in targets))
-            interval = cfg.have_interval if (fetching or any(self._serving_others())) else cfg.gossip_interval
+            # pushes at most every have_interval, as soon as there is news; without news, every
+            # have_refresh (upload load, liveness) while the swarm is busy, else every gossip_interval
+            interval = cfg.have_refresh if (fetching or any(self._serving_others())) else cfg.gossip_interval
+            gap = min(cfg.have_interval, interval)
+            await asyncio.sleep(gap)
             try:
-                await asyncio.wait_for(self._announce.wait(), timeout=interval)
+                await asyncio.wait_for(self._wake.wait(), timeout=interval - gap)
             except asyncio.TimeoutError:
                 pass
 

@@ -252,6 +252,7 @@ class FetchJob:
         self.d.metrics.chunks.labels(src).inc()
         self.d.metrics.progress.labels(self.vs.vid[:12]).set(self.vs.done_chunks / len(self.m.chunks))
         self._cancel(self.policy.chunk_done(r.chunk, r.source, c.size, now - t0, now))
+        self.d.have_news()
 
     async def _from_origin(self, c) -> tuple[bytes | list[bytes], str | None]:
         if self.origin_spec is None:

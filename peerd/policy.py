@@ -18,7 +18,7 @@ from statistics import median
 
 import numpy as np
 
-from peerd.choice import cross_rack_ok, origin_order, rank_window, source_scores, tiebreak_params
+from peerd.choice import cross_rack_ok, origin_order, origin_owner, rank_window, source_scores, tiebreak_params
 
 ORIGIN = "<origin>"
 
@@ -42,6 +42,7 @@ class PolicyConfig:
     rack_rescue_s: float = 10.0    # after this 2, 4, 8... rack members may pull it across racks, doubling every rack_grace_s
     max_cross_rack_peers: int = 12  # peers in other racks tracked at once (rack-local imports keep uplinks at ~2 copies a chunk)
     plan_size: int = 64            # chunks ranked per re-plan
+    replan_s: float = 0.1          # a plan older than this is ranked again (cross-rack permissions open with time)
     window: int = 1024             # ranked among the lowest missing chunks: a bounded spread of
                                    # half-done work, and the same rule the simulator runs at scale
 
@@ -98,6 +99,7 @@ class SwarmPolicy:
         self._peer_list: list[tuple[str, PeerState]] = []
         self.have = np.zeros(n, bool) if self.have is None else np.asarray(self.have, bool).copy()
         self.avail = np.zeros(n, np.int32)          # live usable holders among known peers
+        self.avail_far = np.zeros(n, np.int32)      # ... of them in other racks
         self.inflight_mask = np.zeros(n, bool)
         self.inflight: dict[int, set[str]] = {}
         self.peers: dict[str, PeerState] = {}
@@ -110,7 +112,7 @@ class SwarmPolicy:
         self.peer_requests = 0
         self.origin_backoff_until = 0.0
         self._plan = np.zeros(0, np.int64)
-        self._dirty = True
+        self._dirty, self._planned_at = True, -math.inf
         self.missing = int(n - self.have.sum())
         self._restripe()
 
@@ -120,8 +122,10 @@ class SwarmPolicy:
 
     def _restripe(self) -> None:
         idx = np.arange(self.n_chunks)
-        live = self._live(self.seeders)
-        self.origin_mask = (idx % len(live) == live.index(self.me)) if self.me in live else np.zeros(self.n_chunks, bool)
+        seeds = sorted(self.seeders)
+        live = np.array([s == self.me or s not in self.dead_members for s in seeds], bool)
+        self.origin_mask = (origin_owner(self.n_chunks, live) == seeds.index(self.me)) if self.me in seeds \
+            else np.zeros(self.n_chunks, bool)
         racks = self._live(self.rack_members)
         if self.me in racks and len(racks) > 1:
             self.rack_n = len(racks)
@@ -146,8 +150,13 @@ class SwarmPolicy:
             p = self.peers[peer] = PeerState(rack=rack if rack is not None else "", bits=np.zeros(self.n_chunks, bool))
             self._peer_list.append((peer, p))
             p.alive = False  # counted in below
-        if rack is not None:
+        if rack is not None and rack != p.rack:
+            counted = p.alive and not p.quarantined   # its holdings move between the rack counts
+            if counted:
+                self._count(p, -p.bits.astype(np.int32))
             p.rack = rack
+            if counted:
+                self._count(p, p.bits.astype(np.int32))
         if load is not None:
             p.load = load
         if peer in self.dead_members:
@@ -155,14 +164,26 @@ class SwarmPolicy:
             self._restripe()
         if not p.alive and not p.quarantined:
             p.alive, p.errors = True, 0
-            self.avail += p.bits
+            self._count(p, p.bits.astype(np.int32))
         if p.alive and not p.quarantined:
             gained = bits & ~p.bits
-            self.avail += bits.astype(np.int32) - p.bits.astype(np.int32)
+            self._count(p, bits.astype(np.int32) - p.bits.astype(np.int32))
             self._note_seen(gained, now)
         p.bits = bits.copy()
         self._dirty = True
         return True
+
+    def _count(self, p: PeerState, delta, where=slice(None)) -> None:
+        self.avail[where] += delta
+        if self._remote(p.rack):
+            self.avail_far[where] += delta
+
+    def _usable(self, cols: np.ndarray, now: float) -> np.ndarray:
+        """Holders this host may ask, per chunk: its own rack's, and other racks' only where it may
+        pull across (rarest first by what is rare *to this host*: a chunk that only other racks hold
+        is not rare here unless this host is the one to import it)."""
+        far = self.avail_far[cols]
+        return self.avail[cols] - np.where(self._cross_ok(cols, now), 0, far)
 
     def _remote(self, rack: str | None) -> bool:
         return bool(self.rack) and bool(rack) and rack != self.rack
@@ -178,7 +199,7 @@ class SwarmPolicy:
         new = chunks[~p.bits[chunks]]
         p.bits[new] = True
         if p.alive and not p.quarantined and len(new):
-            self.avail[new] += 1
+            self._count(p, 1, new)
             self._note_seen(new, now)
             self._dirty = True
 
@@ -190,7 +211,7 @@ class SwarmPolicy:
             return []
         p.alive = False
         if not p.quarantined:
-            self.avail -= p.bits
+            self._count(p, -p.bits.astype(np.int32))
         return self._drop_requests_to(peer)
 
     def member_dead(self, member: str) -> None:
@@ -205,7 +226,7 @@ class SwarmPolicy:
         if p is None or p.quarantined:
             return []
         if p.alive:
-            self.avail -= p.bits
+            self._count(p, -p.bits.astype(np.int32))
         p.quarantined = True
         return self._drop_requests_to(peer)
 
@@ -251,7 +272,7 @@ class SwarmPolicy:
         if reason == "missing" and p.bits[chunk]:
             p.bits[chunk] = False          # our view was stale
             if p.alive and not p.quarantined:
-                self.avail[chunk] -= 1
+                self._count(p, -1, chunk)
         elif reason == "busy":
             p.backoff_until = max(p.backoff_until, now + self.config.busy_backoff_s)
         elif reason == "error":
@@ -297,7 +318,7 @@ class SwarmPolicy:
         ready = ready[r:] + ready[:r]
         n_peer = 0
         for attempt in range(2):
-            if self._dirty or attempt:
+            if self._dirty or attempt or now - self._planned_at >= self.config.replan_s:
                 self._replan(now)
             plan = self._plan
             if len(plan):
@@ -349,10 +370,10 @@ class SwarmPolicy:
         return min(times) if times else None
 
     def _replan(self, now: float) -> None:
-        self._dirty = False
+        self._dirty, self._planned_at = False, now
         n = self.n_chunks
         cols = np.arange(self.lo, min(self.lo + self.config.window, n))[None, :]
-        holders = self.avail[cols]
+        holders = self._usable(cols, now)
         if n - self.missing < self.config.random_first:
             holders = np.minimum(holders, 1)                # random order: something to trade early
         cand, ok = rank_window(~self.have[cols] & ~self.inflight_mask[cols], holders, cols, *self._tb,
@@ -375,8 +396,7 @@ class SwarmPolicy:
         if free <= 0 or now < self.origin_backoff_until:
             return []
         cand = np.flatnonzero(self.origin_mask & (self.avail == 0) & ~self.have & ~self.inflight_mask)
-        stride = len(self._live(self.seeders))
-        return origin_order(cand, stride, self.config.origin_spread, *self._tb, 0)[:free].tolist()
+        return origin_order(cand, len(self.seeders), self.config.origin_spread, *self._tb, 0)[:free].tolist()
 
     def _choose_source(self, c: int, ready: list, cross_ok: bool) -> str | None:
         same = np.array([p.rack == self.rack for _, p in ready])
@@ -407,7 +427,7 @@ class SwarmPolicy:
                 break
             offered = p.bits[cols] & (cross_ok if p.rack != self.rack else True)
             cand, ok = rank_window(offered & ~self.have[cols] & ~self.inflight_mask[cols],
-                                   np.maximum(self.avail[cols], 1), cols, *self._tb, 1)
+                                   np.maximum(self._usable(cols, now), 1), cols, *self._tb, 1)
             if ok[0, 0]:
                 c = int(cand[0, 0])
                 self._add_request(c, pid)

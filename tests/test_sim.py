@@ -1,14 +1,18 @@
 """The simulator: peerd's rules over a fluid link model (deterministic, seeded), knowing only what
 peerd knows, and checked against the daemon's own policy objects."""
 import dataclasses
+import random
 
+import numpy as np
 import pytest
 
+from peerd.choice import origin_owner
 from peerd.config import PeerdConfig
 from peerd.policy import PolicyConfig
 from peerd.sim.config import SimConfig, analytic_baselines
 from peerd.sim.fleet import simulate
 from peerd.sim.policies import simulate_policies
+from peerd.sim.topology import build
 
 CHUNK = 64 * 2**20
 
@@ -62,11 +66,27 @@ def test_seeders_dying_mid_origin_read_hand_their_stripes_on():
 
 
 def test_a_dead_seeders_stripe_waits_until_its_peers_give_up_on_it():
-    # half the seeders die early; nobody reads their stripes until dead_after has passed
-    base = SimConfig(hosts=16, size=200 * CHUNK, racks=1, seeders=8, fail_fraction=0.25)
+    # two of the 8 seeders die (at 3.9 s and 7.0 s); nobody reads their stripes until dead_after has
+    # passed (the other stripes go on: the fleet waits only on the dead seeders' chunks)
+    base = SimConfig(hosts=16, size=200 * CHUNK, racks=1, seeders=8, fail_fraction=0.25, seed=3)
+    topo = build(base, random.Random(base.seed))
+    assert len(set(topo.seeders.tolist()) & {h for _, h in topo.deaths}) == 2
     quick = simulate(dataclasses.replace(base, dead_after=0.5))
     slow = simulate(dataclasses.replace(base, dead_after=4.0))
-    assert slow["max_s"] > quick["max_s"] + 1.0
+    assert slow["max_s"] > quick["max_s"] + 0.5
+
+
+def test_only_a_dead_seeders_chunks_change_hands():
+    live = np.ones(8, bool)
+    before = origin_owner(1000, live)
+    assert (before == np.arange(1000) % 8).all()
+    live[3] = False
+    after = origin_owner(1000, live)
+    moved = before != after
+    assert (before[moved] == 3).all() and moved.sum() == 125          # every chunk of seeder 3, no other
+    assert set(after[moved].tolist()) == {0, 1, 2, 4, 5, 6, 7}          # dealt over the living ...
+    assert np.bincount(after[moved], minlength=8).max() <= 125 // 7 + 1  # ... evenly
+    assert (origin_owner(10, np.zeros(4, bool)) == -1).all()           # no seeder left: nobody
 
 
 def test_holdings_arrive_by_bitmap_push():

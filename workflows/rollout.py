@@ -17,6 +17,7 @@ from temporalio.common import RetryPolicy, SearchAttributeKey
 from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflowError
 
 with workflow.unsafe.imports_passed_through():
+    from peerd.seeders import MAX_SEEDERS, seeders_across_racks
     from workflows.host_batch import HostBatchWorkflow
     from workflows.types import (CONTROL_QUEUE, AnalysisInput, AnalysisResult, DiscardInput, DistributeInput,
                                  HostBatchInput, HostOutcome, LoadInput, ManifestCheck, ManifestInfo, RolloutCarry,
@@ -24,22 +25,6 @@ with workflow.unsafe.imports_passed_through():
 
 PHASE = SearchAttributeKey.for_keyword("RolloutPhase")
 MAX_PENDING_LOADS = 1000      # Temporal allows 2,000 pending activities per workflow
-MAX_SEEDERS = 64              # hosts that read stripes of the origin; the rest fetch from peers
-
-
-def seeders_across_racks(hosts: list, n: int) -> list[str]:
-    """Up to ``n`` seeders taken round-robin over the racks (in order of first appearance), so the
-    origin's bytes enter every rack and a rack's loss does not take all the seeders with it. Without
-    racks: the first ``n`` hosts, as before."""
-    racks: dict[str, list[str]] = {}
-    for h in hosts:
-        racks.setdefault(h.rack, []).append(h.id)
-    out: list[str] = []
-    depth = 0
-    while len(out) < n and any(depth < len(ids) for ids in racks.values()):
-        out += [ids[depth] for ids in racks.values() if depth < len(ids)][:n - len(out)]
-        depth += 1
-    return out
 
 
 @workflow.defn
@@ -203,7 +188,7 @@ class RolloutWorkflow:
         self._set_phase("distribute", f"{len(inp.hosts)} hosts, {info.bytes_total} bytes")
         for h in self.hosts:
             self.hosts[h] = "downloading"
-        seeders = seeders_across_racks(inp.hosts, MAX_SEEDERS)
+        seeders = seeders_across_racks([(h.id, h.rack) for h in inp.hosts], MAX_SEEDERS)
         dist = DistributeInput(inp.signed_manifest, inp.origin, seeders, inp.manifest)
         batches = [inp.hosts[i:i + inp.batch_size] for i in range(0, len(inp.hosts), inp.batch_size)]
         if self.controls_act_now:

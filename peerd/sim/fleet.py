@@ -26,7 +26,7 @@ from dataclasses import asdict
 
 import numpy as np
 
-from peerd.choice import cross_rack_ok, origin_order, rank_window, source_scores, tiebreak_params
+from peerd.choice import cross_rack_ok, origin_order, origin_owner, rank_window, source_scores, tiebreak_params
 from peerd.sim.config import SimConfig, analytic_baselines
 from peerd.sim.fluid import rates_with_priority, scale_to_caps
 from peerd.sim.topology import build
@@ -76,6 +76,7 @@ class FleetSim:
         self.known = self.have.copy()                  # what it has announced (its peers' view)
         self.pend = np.zeros((N, C + W), bool)
         self.nb_cnt = np.zeros((N, C + W), np.uint8)   # neighbours believed alive known to hold each chunk
+        self.nb_far = np.zeros((N, C + W), np.uint8)   # ... of them in other racks
         self.seen = np.full(C + W, np.inf)             # first announcement of each chunk, fleet-wide
         self.lo = np.zeros(N, np.int64)
         self.count = np.zeros(N, np.int64)
@@ -87,6 +88,7 @@ class FleetSim:
         self.rack_size = np.ones(N, np.int64)
         for r in self.by_rack:
             self._restripe(r)
+        self._deal_stripes()
 
         self.fl = _Flows(N, self.D + 1)                # slot D is the host's origin read
         self.n_up = np.zeros(N + 2, np.int64)
@@ -163,10 +165,14 @@ class FleetSim:
             self.believed_dead[h] = True
             rows = self.nbr[h][self.nbr[h] < N]
             self.nb_cnt[rows, :C] -= self.known[h, :C]
+            far = rows[self.rack[rows] != self.rack[h]]
+            self.nb_far[far, :C] -= self.known[h, :C]
             hs, ks = np.nonzero(fl.src == h)
             self.pend[hs, fl.chunk[hs, ks]] = False
             self._end_flows(hs, ks)
             self._restripe(int(self.rack[h]))
+            if h in self.seeders:
+                self._deal_stripes()
 
     def _restripe(self, r: int) -> None:
         members = self.by_rack[r]
@@ -177,25 +183,39 @@ class FleetSim:
     # ------------------------------------------------------------------ decisions
     def _read_origin(self, now: float) -> None:
         """Each idle seeder reads the next chunk of its stripe that no neighbour is known to hold
-        (SwarmPolicy._origin_chunks); the stripes are over the seeders believed alive."""
+        (SwarmPolicy._origin_chunks); a seeder believed dead has its stripe dealt to the living."""
         fl, D = self.fl, self.D
-        live = self.seeders[~self.believed_dead[self.seeders]]
-        if len(live) == 0:
-            return
-        for s in live[self.alive[live] & (fl.src[live, D] < 0)]:
-            stripe = np.arange(np.searchsorted(live, s), self.C, len(live))
+        for i in np.flatnonzero(self.alive[self.seeders] & (fl.src[self.seeders, D] < 0)):
+            s = self.seeders[i]
+            stripe = self.stripes[i]
             stripe = stripe[(self.nb_cnt[s, stripe] == 0) & ~self.have[s, stripe] & ~self.pend[s, stripe]]
             if len(stripe):
-                c = int(origin_order(stripe, len(live), self.cfg.policy.origin_spread, self.tb_a, self.tb_b, s)[0])
+                c = int(origin_order(stripe, len(self.seeders), self.cfg.policy.origin_spread, self.tb_a, self.tb_b, s)[0])
                 fl.src[s, D], fl.chunk[s, D], fl.left[s, D] = self.ORG, c, 1.0
                 self.pend[s, c] = True
                 self.n_up[self.ORG] += 1
+
+    def _deal_stripes(self) -> None:
+        owner = origin_owner(self.C, ~self.believed_dead[self.seeders])
+        self.stripes = [np.flatnonzero(owner == i) for i in range(len(self.seeders))]
 
     def _cross_ok(self, h: np.ndarray, c: np.ndarray, now: float) -> np.ndarray:
         """May host ``h`` pull chunk ``c`` from another rack (SwarmPolicy._cross_ok)?"""
         hh = h[:, None] if c.ndim == 2 else h
         n, pol = self.rack_size[hh], self.cfg.policy
         return cross_rack_ok((self.rack_rank[hh] - c) % n, n, now - self.seen[c], pol.rack_grace_s, pol.rack_rescue_s)
+
+    def _usable(self, h: np.ndarray, cols: np.ndarray, flat: np.ndarray, now: float) -> np.ndarray:
+        """How many of each host's live neighbours it may ask for each chunk: its own rack's holders,
+        and other racks' only where it may pull across (SwarmPolicy's ranking count)."""
+        cnt = np.take(self.nb_cnt.reshape(-1), flat)
+        far = np.take(self.nb_far.reshape(-1), flat)
+        blocked = far > 0
+        if blocked.any():
+            r, k = np.nonzero(blocked)
+            blocked[r, k] = ~self._cross_ok(h[r], cols[r, k], now)
+            cnt = cnt - np.where(blocked, far, 0)
+        return cnt
 
     def _pick_source(self, h: np.ndarray, holds: np.ndarray, now: float) -> tuple[np.ndarray, np.ndarray]:
         """For each host, the best neighbour among ``holds`` it would ask now: (position, found)."""
@@ -248,7 +268,7 @@ class FleetSim:
             cols = self.lo[stale][:, None] + ar_w
             flat = stale[:, None] * (C + W) + cols
             cand, ok = rank_window(
-                ~np.take(have_flat, flat) & ~np.take(pend_flat, flat), np.take(self.nb_cnt.reshape(-1), flat),
+                ~np.take(have_flat, flat) & ~np.take(pend_flat, flat), self._usable(stale, cols, flat, now),
                 cols, self.tb_a, self.tb_b[stale], K)
             self.plan_ok[stale] = False
             self.plan[stale, :cand.shape[1]], self.plan_ok[stale, :cand.shape[1]] = cand, ok
@@ -265,7 +285,7 @@ class FleetSim:
             holds = np.take(known_flat, self.nbr_row[h] + c[:, None]) & (
                 self.same_rack[h] | self._cross_ok(h, c, now)[:, None])
             k, found = self._pick_source(h, holds, now)
-            self.plan_ptr[h[~found]] += 1
+            self.plan_ptr[h] += 1                      # asked, busy or no ready holder: the next entry
             if found.any():
                 self._ask(h[found], c[found], k[found], now)
         # the rarest chunks' holders are all busy: ask an idle neighbour for the rarest chunk it
@@ -285,7 +305,7 @@ class FleetSim:
             far = ~self.same_rack[h, k]
             if far.any():
                 want[far] &= self._cross_ok(h[far], cols[far], now)
-            cand, ok = rank_window(want, np.maximum(np.take(self.nb_cnt.reshape(-1), fh), 1), cols,
+            cand, ok = rank_window(want, np.maximum(self._usable(h, cols, fh, now), 1), cols,
                                    self.tb_a, self.tb_b[h], 1)
             ok = ok[:, 0]
             if not ok.any():
@@ -360,8 +380,12 @@ class FleetSim:
         np.minimum.at(self.seen, c, now)
         rows = self.nbr[h]
         ok = (rows < self.N) & ~self.believed_dead[h][:, None]
-        flat, n = np.unique((rows * (self.C + self.W) + c[:, None])[ok], return_counts=True)
+        cells = rows * (self.C + self.W) + c[:, None]
+        flat, n = np.unique(cells[ok], return_counts=True)
         self.nb_cnt.reshape(-1)[flat] += n.astype(np.uint8)   # unique + add: ~10x faster than add.at here
+        far = ok & (self.rack[np.minimum(rows, self.N)] != self.rack[h][:, None])
+        flat, n = np.unique(cells[far], return_counts=True)
+        self.nb_far.reshape(-1)[flat] += n.astype(np.uint8)
 
     # ------------------------------------------------------------------ bookkeeping
     def _end_flows(self, hs: np.ndarray, ks: np.ndarray) -> None:

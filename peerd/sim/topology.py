@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from peerd.seeders import seeders_across_racks
 from peerd.sim.config import SimConfig
 
 
@@ -25,7 +26,8 @@ def build(cfg: SimConfig, rnd: random.Random) -> Topology:
     for h in range(n):
         by_rack.setdefault(int(rack[h]), []).append(h)
     nbrs = _neighbour_graph(cfg, rnd, by_rack)
-    seeders = np.array(sorted(rnd.sample(range(n), min(cfg.seeders, n))))
+    # as a rollout names them: round-robin over the racks
+    seeders = np.array(sorted(int(h) for h in seeders_across_racks(((str(h), str(rack[h])) for h in range(n)), cfg.seeders)))
     deaths = sorted((rnd.uniform(0.1, 0.9) * cfg.lower_bound_s, h)
                     for h in rnd.sample(range(n), int(cfg.fail_fraction * n)))
     return Topology(rack, by_rack, nbrs, seeders, deaths)
