@@ -25,6 +25,19 @@ def test_rarest_first():
     assert p.next_requests(0) == [Request(2, "a")]   # chunk 2 is held by one peer only
 
 
+def test_rarity_counts_only_holders_this_host_may_ask():
+    # me (rank 1 of the sorted members m2, me) imports the odd chunks; the even ones come from inside
+    # the rack. "far" (r2) holds everything, "near" (r1) chunks 0 and 1. Usable holders: chunk 0 one
+    # (near; far is not usable for it), 1 two, 2 none, 3 one (far: importer). Counting every holder,
+    # chunk 0 would tie with chunk 1.
+    for seed in range(10):
+        p = pol(4, rack="r1", rack_members=("me", "m2"), seed=seed,
+                config=PolicyConfig(random_first=0, max_inflight=2, max_per_peer=2, rack_grace_s=5))
+        p.peer_bitmap("far", np.ones(4, bool), 0, rack="r2")
+        p.peer_bitmap("near", bits(4, [0, 1]), 0, rack="r1")
+        assert {(r.chunk, r.source) for r in p.next_requests(0)} == {(0, "near"), (3, "far")}
+
+
 def test_random_first_then_rarest_and_seeded_determinism():
     def run(seed):
         p = pol(50, config=PolicyConfig(random_first=2, max_inflight=1), seed=seed)
