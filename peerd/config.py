@@ -27,6 +27,8 @@ class PeerdConfig:
     have_interval: float = 0.025                # a verified chunk is pushed to the active peers within this
     have_refresh: float = 0.1                   # pushes to active peers without news (load, liveness) while busy
     dead_after: float = 5.0                     # seconds without hearing from a peer → dead
+    stall_after: float = 2.0                    # a chunk download that receives nothing this long is given up
+                                                # and asked elsewhere (a host that died mid-upload), before dead_after
     max_active_peers: int = 32                  # peers a job's policy tracks
     max_members: int = 10_000                   # members this host remembers (gossip cannot grow it further)
     reserve_bytes: int = 0                      # free space to keep on the store volume

@@ -63,6 +63,7 @@ class Daemon:
         self.membership = Membership(me, self.config.dead_after, max_members=self.config.max_members)
         for p in self.config.seed_peers:
             self.membership.learn(p)
+        self.chunk_timeout = aiohttp.ClientTimeout(total=None, sock_connect=3, sock_read=self.config.stall_after)
         self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=3, sock_read=15),
                                           connector=aiohttp.TCPConnector(limit=256))
         self.s3_session = await warm_session()

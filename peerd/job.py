@@ -272,7 +272,9 @@ class FetchJob:
         if member is None:
             raise PeerMissing()
         url = f"{member.addr}/v1/versions/{self.vs.vid}/chunks/{c.index}"
-        async with self.d.http.get(url, headers=self.d.auth_headers()) as resp:
+        # a silent uploader (its host died mid-upload) is given up after stall_after, not dead_after:
+        # the chunk is asked elsewhere at once (aiohttp stops this clock while our own pacing pauses reading)
+        async with self.d.http.get(url, headers=self.d.auth_headers(), timeout=self.d.chunk_timeout) as resp:
             if resp.status == 404:
                 raise PeerMissing()
             if resp.status == 503:

@@ -153,3 +153,11 @@ def test_bench_throughput_reports_cost_per_byte(capsys):
     for d in r["downloaders_detail"]:
         assert d["from_peer_bytes"] == r["size"] and d["mib_per_s"] > 0 and d["cpu_s_per_gib_received"] > 0
     assert r["server"]["cpu_s_per_gib_sent"] > 0 and r["hash_cpu_s_per_gib"] > 0
+
+
+def test_bench_receive_compares_both_receive_paths(capsys):
+    assert main(["bench", "receive", "--size", "2M", "--count", "3", "--rounds", "2", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    for way in ("aiohttp", "buffered_protocol"):
+        assert len(r[way]["cpu_s_per_gib_all"]) == 2 and r[way]["cpu_s_per_gib"] > 0 and r[way]["mib_per_s"] > 0
+    assert r["protocol_over_aiohttp_cpu"] > 0

@@ -157,6 +157,12 @@ def cmd_bench_throughput(a) -> int:
     return 0 if not res["failed"] else 1
 
 
+def cmd_bench_receive(a) -> int:
+    from bench.receive import run_receive_bench
+    print(json.dumps(run_receive_bench(a.size, a.count, a.rounds), indent=None if a.json else 1))
+    return 0
+
+
 def cmd_bench_rebalance(a) -> int:
     from bench.rebalance import rebalance_config, run_rebalance_bench
     rebalance_config(a.ranks, a.steps, a.batch_per_rank, a.set)     # bad settings: exit 2 first
@@ -671,6 +677,13 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("--json", action="store_true")
     bp.set_defaults(fn=cmd_bench_throughput)
 
+    bv = bench.add_parser("receive", help="receive-side CPU per GiB: aiohttp (peerd today) vs a BufferedProtocol "
+                                          "into one pre-allocated chunk buffer, alternating")
+    bv.add_argument("--size", type=parse_size, default=parse_size("64M"), help="body (chunk) size")
+    bv.add_argument("--count", type=positive_int, default=16, help="chunks per round and way")
+    bv.add_argument("--rounds", type=positive_int, default=3)
+    bv.add_argument("--json", action="store_true")
+    bv.set_defaults(fn=cmd_bench_receive)
     br = bench.add_parser("rebalance", help="one slow data-parallel rank: equal shares vs rebalanced vs balanced")
     _training_bench_flags(br, steps=30)
     br.add_argument("--slowdown", type=float, default=2.0, help="the last rank computes this many times slower")

@@ -32,6 +32,7 @@ class SimConfig:
     max_uploads: int = default("max_uploads")             # concurrent uploads before 503 busy
     have_interval: float = default("have_interval")       # bitmap pushes to active peers
     dead_after: float = default("dead_after")             # silence before peers call a host dead
+    stall_after: float = default("stall_after")           # a download receiving nothing is given up
     # the simulator's own resolution: rounds of (choose, ask, busy?) per time step, and steps per
     # chunk-time (one is enough: a flow that ends mid-step hands the rest of the step on)
     request_rounds: int = 6

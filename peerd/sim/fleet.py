@@ -15,7 +15,8 @@ stands in for peerd's throughput tracking is the uploader's load (fewer flows, f
 
 The network is a fluid model (``peerd/sim/fluid.py``): each request is a flow; every time step flows
 get a max-min fair share of the uploader's and the downloader's link and, across racks, of both
-racks' uplinks. A dead host's in-flight uploads stall until its peers give up on it (``dead_after``).
+racks' uplinks. A dead host's in-flight uploads stall until each downloader gives them up
+(``stall_after``) and back off; its peers call it dead after ``dead_after``.
 """
 from __future__ import annotations
 
@@ -107,6 +108,7 @@ class FleetSim:
         self.rack_caps = np.full(cfg.racks, (N / cfg.racks) / cfg.oversubscription)
 
         self.detect: list[tuple[float, int]] = []
+        self.stalls: list[tuple[float, int]] = []
         self.announce: list[tuple[np.ndarray, np.ndarray]] = []
         self.imports = np.zeros((C, cfg.racks), np.int32)   # cross-rack copies into each rack
         self.origin_reads = self.transfers = 0
@@ -114,35 +116,41 @@ class FleetSim:
         self.util_sum, self.util_steps, self.warm_s = 0.0, 0, math.nan
         self.origin_done = math.nan
         self.reached = np.zeros(C, bool)               # chunks some host holds
+        self.step, self.next_have, self.announced = 0, cfg.have_interval, True
         self.front = 0                                 # 1 + the highest chunk id ever announced
 
     # ------------------------------------------------------------------ the run
     def run(self, progress=None) -> dict:
         wall0 = time.monotonic()
-        next_have, next_progress, step = self.cfg.have_interval, 0.0, 0
-        announced = True
+        next_progress = 0.0
         while self.remaining:
-            now = step * self.dt
-            self._deaths(now)
-            self._detections(now)
-            self._read_origin(now)
-            self._request(now, replan=announced)
-            announced = False
-            self.carry[:] = 0                          # a share not taken up by a new request is lost
-            self._transfer(now)
-            step += 1
-            now = step * self.dt
-            if now >= next_have:
-                next_have += self.cfg.have_interval
-                self._announce(now)
-                announced = True
+            now = self.advance()
             if progress and now >= next_progress:
                 next_progress += self.lower / 100
                 progress(now, self.lower, int(np.sum(~np.isnan(self.done_at))), self.N)
             if now > 20 * self.lower:
                 raise RuntimeError(f"simulation did not converge by {20 * self.lower:.0f} s: "
                                    f"{self.remaining} hosts unfinished")
-        return self._result(step, time.monotonic() - wall0)
+        return self._result(self.step, time.monotonic() - wall0)
+
+    def advance(self) -> float:
+        """One time step, every phase in order; returns the simulated time after it."""
+        now = self.step * self.dt
+        self._deaths(now)
+        self._stalls(now)
+        self._detections(now)
+        self._read_origin(now)
+        self._request(now, replan=self.announced)
+        self.announced = False
+        self.carry[:] = 0                              # a share not taken up by a new request is lost
+        self._transfer(now)
+        self.step += 1
+        now = self.step * self.dt
+        if now >= self.next_have:
+            self.next_have += self.cfg.have_interval
+            self._announce(now)
+            self.announced = True
+        return now
 
     # ------------------------------------------------------------------ failures
     def _deaths(self, now: float) -> None:
@@ -155,6 +163,18 @@ class FleetSim:
             ks = np.flatnonzero(fl.src[h] >= 0)
             self._end_flows(np.full(len(ks), h), ks)
             self.detect.append((now + self.cfg.dead_after, h))
+            self.stalls.append((now + self.cfg.stall_after, h))
+
+    def _stalls(self, now: float) -> None:
+        """Downloads from a host that died receive nothing: after ``stall_after`` each downloader gives
+        its request up and backs off that peer (peerd's read timeout), before anyone calls it dead."""
+        fl = self.fl
+        while self.stalls and self.stalls[0][0] <= now:
+            _, h = self.stalls.pop(0)
+            hs, ks = np.nonzero(fl.src[:, :self.D] == h)
+            self.pend[hs, fl.chunk[hs, ks]] = False
+            self.backoff[hs, fl.nk[hs, ks]] = now + self.cfg.policy.backoff_s
+            self._end_flows(hs, ks)
 
     def _detections(self, now: float) -> None:
         """Peers give up on a silent host: its holdings stop counting, its stalled uploads fail, and

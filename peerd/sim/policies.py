@@ -43,6 +43,7 @@ class PolicyFleet:
         self.flows: dict[tuple[int, int, int], list[float]] = {}
         self.carry = np.zeros(N)
         self.detect: list[tuple[float, int]] = []
+        self.stalls: list[tuple[float, int]] = []
         self.origin_reads = 0
         self.rng = np.random.default_rng(cfg.seed)
 
@@ -95,6 +96,12 @@ class PolicyFleet:
             for key in [k for k in self.flows if k[0] == h]:
                 del self.flows[key]
             self.detect.append((now + self.cfg.dead_after, h))
+            self.stalls.append((now + self.cfg.stall_after, h))
+        while self.stalls and self.stalls[0][0] <= now:     # downloads from it receive nothing: given up
+            _, h = self.stalls.pop(0)
+            for g, s, c in [k for k in self.flows if k[1] == h]:
+                del self.flows[(g, s, c)]
+                self._cancel(g, self.pol[g].chunk_failed(c, str(h), "error", now))
         while self.detect and self.detect[0][0] <= now:
             _, h = self.detect.pop(0)
             for g in np.flatnonzero(self.alive):
