@@ -1,6 +1,8 @@
 """Real peerd processes on loopback with the origin in SeaweedFS: the swarm and its faults."""
 import asyncio
 import json
+import os
+import signal
 import uuid
 
 import aiohttp
@@ -222,5 +224,47 @@ async def test_each_verified_chunk_is_pushed_to_the_swarm_as_news(tmp_path, seaw
             done = await cb.wait(m.digest, 30)
         assert done["state"] == "complete" and done["bytes_by_source"]["origin"] == 0
         assert host_files_match(fleet, "b", m, checkpoint)
+    finally:
+        fleet.stop()
+
+
+async def test_a_silent_uploader_is_given_up_after_stall_after(tmp_path, seaweed, keys, signed, checkpoint, prefix):
+    """'a' (paced uploads: a chunk takes it 2 s) freezes (SIGSTOP: no RST, no bytes, its host looks
+    alive for dead_after = 60 s) while 'c' has requests in flight to it: 'c' gives them up after
+    --stall-after 1 s and fetches them from 'b', finishing while 'a' is frozen and still believed alive."""
+    m, doc = signed
+    origin = await publish(seaweed, checkpoint, prefix)
+    slow_c = ["--download-rate", "512K", "--stall-after", "1", "--dead-after", "60"]
+    fleet = Fleet(tmp_path, seaweed, keys["pub_path"], ["a", "b", "c"],
+                  extra={"a": ["--dead-after", "60", "--upload-rate", "128K"], "b": ["--dead-after", "60"],
+                         "c": slow_c}).start()
+    try:
+        for i in ("b", "a"):                          # 'b' from the origin, then 'a' from 'b'
+            async with fleet.client(i) as cl:
+                await cl.start_job(doc, origin, seeders=[i])
+            await wait_all(fleet, [i], m.digest)
+        async with fleet.client("c") as cc:
+            await cc.start_job(doc, origin, seeders=[])
+            while True:                               # until 'c' is mid-download with a request to 'a'
+                st = await cc.job(m.digest)
+                if any(p["peer"] == "a" and p["inflight"] for p in st["peers"]) and st["chunks_done"] >= 1:
+                    break
+                assert st["state"] == "fetching", st
+                await asyncio.sleep(0.01)
+            os.kill(fleet.procs["a"].proc.pid, signal.SIGSTOP)
+            try:
+                done = await cc.wait(m.digest, 12)    # under the old 15 s read timeout and dead_after
+                assert done["state"] == "complete"
+                assert [p["alive"] for p in done["peers"] if p["peer"] == "a"] == [True]   # never called dead
+            finally:
+                os.kill(fleet.procs["a"].proc.pid, signal.SIGCONT)
+        # the requests to 'a' ended as read timeouts (errors), not as endgame cancels
+        async with aiohttp.ClientSession() as s:
+            async with s.get(fleet.procs["c"].addr + "/metrics") as r:
+                metrics = await r.text()
+        errors = [float(line.split()[-1]) for line in metrics.splitlines()
+                  if line.startswith('peerd_chunk_failures_total{reason="error"}')]
+        assert errors and errors[0] >= 1, metrics
+        assert host_files_match(fleet, "c", m, checkpoint)
     finally:
         fleet.stop()
