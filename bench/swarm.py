@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import secrets
 import shutil
 import tempfile
@@ -20,6 +21,7 @@ from peerd import digests
 from peerd import manifest as mf
 from peerd.client import PeerdClient
 from peerd.origin import OriginSpec, S3Origin
+from bench.throughput import cpu_seconds
 from peerd.signing import generate_keypair, load_private_key
 from weightcast.checkpoint_random import write_random_checkpoint
 from weightcast.stack.peerd_proc import PeerdProc, fleet_args
@@ -36,6 +38,7 @@ class SwarmBenchConfig:
     kill: int = 0
     corrupt_peers: int = 0
     max_uploads: int | None = None         # peerd's --max-uploads (default: peerd's own)
+    have_interval: float | None = None     # peerd's --have-interval (default: peerd's own)
     timeout: float = 600.0
     workdir: Path | None = None            # kept afterwards when given
     checkpoint: Callable[[Path], Path] | None = None   # writes the checkpoint; default random bytes
@@ -80,6 +83,8 @@ async def run_swarm_bench(cfg: SwarmBenchConfig, progress=None) -> dict:
             extra = ["--fault-corrupt-uploads"] if i in corrupt else []
             if cfg.max_uploads:
                 extra += ["--max-uploads", str(cfg.max_uploads)]
+            if cfg.have_interval:
+                extra += ["--have-interval", str(cfg.have_interval)]
             args = fleet_args(i, ports, token=token, trusted_key=work / "key.pub", rate=cfg.rate,
                               origin_rate=cfg.rate / len(seeders), extra=extra)
             procs.append(PeerdProc(i, ports[i], work / "hosts" / i / "store", args, env=s3.env()))
@@ -126,6 +131,13 @@ async def run_swarm_bench(cfg: SwarmBenchConfig, progress=None) -> dict:
                 break
             await asyncio.sleep(0.1)
         survivors = [i for i in ids if i not in killed and i not in crashed]
+        wall = time.time() - t0
+        # where the machine's CPU went: the daemons' own time (from /proc) and their gossip rate
+        peerd_cpu = sum(cpu_seconds(p.proc.pid) for p in procs if p.id in survivors and p.running)
+        gossip_sent = 0.0
+        for p, c in zip(procs, clients):
+            if p.id in survivors and p.running:
+                gossip_sent += await c.metric('peerd_gossip_messages_total{direction="sent"}')
         quarantined = set()
         for p, c in zip(procs, clients):
             if p.id in survivors and p.id not in corrupt and p.running:
@@ -152,7 +164,9 @@ async def run_swarm_bench(cfg: SwarmBenchConfig, progress=None) -> dict:
                 "origin_done_s": origin_done, "tail_s": (times[-1] - origin_done) if times and origin_done else None,
                 "all_verified": all(ok for ok, _ in checks.values()) and not failed and not crashed,
                 "corrupt_chunks_accepted": sum(bad for _, bad in checks.values()),
-                "quarantined_by_honest_hosts": sorted(quarantined)}
+                "quarantined_by_honest_hosts": sorted(quarantined),
+                "peerd_cores": peerd_cpu / wall, "gossip_sent_per_host_s": gossip_sent / max(len(survivors), 1) / wall,
+                "machine_cores": os.cpu_count()}
     finally:
         for p in procs:
             p.stop()

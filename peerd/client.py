@@ -58,6 +58,13 @@ class PeerdClient:
     async def job(self, vid: str) -> dict:
         return await self._json("GET", f"/v1/jobs/{vid}")
 
+    async def metric(self, name: str) -> float:
+        """The sum of one Prometheus series (``name`` or ``name{labels}``) from ``GET /metrics``."""
+        async with self._session.get(f"{self.addr}/metrics") as r:
+            text = await r.text()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(name) and line[len(name):len(name) + 1] in (" ", "{"))
+
     async def stop_job(self, vid: str, reason: str = "") -> dict:
         """Stop fetching ``vid`` (verified chunks stay; ``start_job`` again resumes)."""
         return await self._json("DELETE", f"/v1/jobs/{vid}", params={"reason": reason} if reason else None)

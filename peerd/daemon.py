@@ -218,13 +218,15 @@ class Daemon:
         the fleet's download rate to it)."""
         self._wake.set()
 
-    async def _gossip_to(self, member) -> None:
+    async def _gossip_to(self, member, body: bytes) -> None:
         try:
-            async with self.http.post(f"{member.addr}/v1/gossip", json=self.gossip_message(),
-                                      headers=self.auth_headers(), timeout=aiohttp.ClientTimeout(total=3)) as r:
+            async with self.http.post(f"{member.addr}/v1/gossip", data=body,
+                                      headers={**self.auth_headers(), "Content-Type": "application/json"},
+                                      timeout=aiohttp.ClientTimeout(total=3)) as r:
                 if r.status != 200:
                     log.info("gossip refused", extra={"peer": member.id, "status": r.status})
                     return
+                self.metrics.gossip.labels("sent").inc()
                 self.absorb_gossip(check_gossip(await r.json()))
         except (aiohttp.ClientError, asyncio.TimeoutError, WireError, ValueError) as e:
             log.debug("gossip to %s failed: %s", member.id, e)
@@ -247,7 +249,8 @@ class Daemon:
                 targets = [self.membership.members[i] for i in active if i in self.membership.members]
             self._full_due = False
             self._wake.clear()
-            await asyncio.gather(*(self._gossip_to(m) for m in targets))
+            body = json.dumps(self.gossip_message()).encode()   # packed once a round, not once a target
+            await asyncio.gather(*(self._gossip_to(m, body) for m in targets))
             # pushes at most every have_interval, as soon as there is news; without news, every
             # have_refresh (upload load, liveness) while the swarm is busy, else every gossip_interval
             interval = cfg.have_refresh if (fetching or any(self._serving_others())) else cfg.gossip_interval

@@ -23,6 +23,8 @@ class PeerdMetrics:
                                        "Uploads the requester abandoned (endgame duplicates, slow peers)", registry=r)
         self.corrupt_on_disk = Counter("peerd_chunks_corrupt_on_disk_total",
                                        "Verified chunks whose bytes changed on disk (found before serving)", registry=r)
+        self.gossip = Counter("peerd_gossip_messages_total", "Gossip rounds and bitmap pushes answered",
+                              ["direction"], registry=r)
         self.busy = Counter("peerd_upload_busy_total", "Uploads refused with 503 (at max_uploads)", registry=r)
         self.quarantined = Gauge("peerd_quarantined_peers", "Peers quarantined for serving bad chunks", registry=r)
         self.peers_alive = Gauge("peerd_peers_alive", "Members currently considered alive", registry=r)

@@ -171,6 +171,7 @@ def make_app(daemon, *middlewares) -> web.Application:
     async def gossip(request):
         msg = check_gossip(await read_json(request, MAX_GOSSIP_BYTES))
         d.absorb_gossip(msg)
+        d.metrics.gossip.labels("received").inc()
         return web.json_response(d.gossip_message())
 
     async def remove(request):

@@ -59,6 +59,8 @@ def test_bench_swarm_with_a_killed_and_a_corrupt_host(capsys):
     assert r["lower_bound_s"] == 1.5 and r["max_s"] >= r["p50_s"] and r["ratio"] == r["max_s"] / r["lower_bound_s"]
     assert 0.99 <= r["origin_copies"] and r["origin_done_s"] is not None
     assert abs(r["tail_s"] - (r["max_s"] - r["origin_done_s"])) < 1e-6
+    # where the CPU went: the surviving daemons' own time, and the bitmap pushes they sent
+    assert 0 < r["peerd_cores"] <= r["machine_cores"] and r["gossip_sent_per_host_s"] > 0
 
 
 def test_bench_rollout_reports_where_the_time_goes(capsys):

@@ -112,7 +112,8 @@ def _swarm_config(a):
     from bench.swarm import SwarmBenchConfig
     deadline = a.deadline or 60 + 5 * a.size / a.rate     # never wait forever on a hung or dead host
     return SwarmBenchConfig(hosts=a.hosts, size=a.size, rate=a.rate, chunk=a.chunk, kill=a.kill,
-                            corrupt_peers=a.corrupt_peers, max_uploads=a.max_uploads, timeout=deadline)
+                            corrupt_peers=a.corrupt_peers, max_uploads=a.max_uploads,
+                            have_interval=a.have_interval, timeout=deadline)
 
 
 def cmd_bench_swarm(a) -> int:
@@ -591,6 +592,7 @@ def _swarm_flags(p, *, hosts: int, size: str, rate: str, chunk: str, kill: int, 
     p.add_argument("--kill", type=int, default=kill, help="hosts SIGKILLed at 40%% of the lower bound (per swarm)")
     p.add_argument("--corrupt-peers", type=int, default=corrupt, help="hosts that serve flipped bytes (per swarm)")
     p.add_argument("--max-uploads", type=int, default=None, help="peerd's --max-uploads (default: peerd's own)")
+    p.add_argument("--have-interval", type=float, default=None, help="peerd's --have-interval (default: peerd's own)")
     p.add_argument("--deadline", type=float, default=None, help="seconds per swarm before giving up (default 60 + 5 S/R)")
     p.add_argument("--json", action="store_true")
 
