@@ -205,7 +205,6 @@ class Daemon:
                     job.on_bitmap(member.id, member.rack, packed, msg["load"])
                 except WireError as e:
                     log.warning("bad bitmap from %s: %s", member.id, e)
-        self.metrics.peers_alive.set(len(self.membership.live()))
 
     def announce_soon(self) -> None:
         """A job started or finished: a full gossip round now."""

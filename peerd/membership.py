@@ -6,6 +6,9 @@ import time
 from dataclasses import dataclass, field
 
 
+POOL_TTL = 1.0
+
+
 @dataclass
 class Member:
     id: str
@@ -26,6 +29,8 @@ class Membership:
         self.rng = rng or random.Random()
         self.members: dict[str, Member] = {}
         self.started = clock()
+        self._pool: list[Member] = []               # live members to sample hearsay from, rebuilt ...
+        self._pool_at = -POOL_TTL                   # ... at most every POOL_TTL seconds
 
     def learn(self, peer: dict) -> Member | None:
         """A peer heard of (seed list or gossip hearsay); never overrides direct knowledge."""
@@ -89,5 +94,11 @@ class Membership:
         return picks + [self.members[i] for i in always if i in self.members and not self.members[i].dead]
 
     def sample_peers(self, k: int) -> list[dict]:
-        live = self.live()
+        """Hearsay for a gossip message. Every message carries some, and listing the live members
+        costs 0.2 ms at 10,000 members: the pool is rebuilt at most every POOL_TTL seconds (a member
+        dead for under a second may still be named; hearsay never overrides direct knowledge)."""
+        now = self.clock()
+        if now - self._pool_at >= POOL_TTL:
+            self._pool, self._pool_at = self.live(), now
+        live = self._pool
         return [{"id": m.id, "addr": m.addr, "rack": m.rack} for m in self.rng.sample(live, min(k, len(live)))]

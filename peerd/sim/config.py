@@ -30,7 +30,7 @@ class SimConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     max_active_peers: int = default("max_active_peers")   # neighbours per host
     max_uploads: int = default("max_uploads")             # concurrent uploads before 503 busy
-    have_interval: float = default("have_interval")       # bitmap pushes to active peers
+    have_interval: float = default("have_interval")       # a verified chunk reaches the active peers within this
     dead_after: float = default("dead_after")             # silence before peers call a host dead
     stall_after: float = default("stall_after")           # a download receiving nothing is given up
     # the simulator's own resolution: rounds of (choose, ask, busy?) per time step, and steps per
