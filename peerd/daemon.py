@@ -181,11 +181,11 @@ class Daemon:
         return bearer_headers(self.config.token)
 
     # ---------------------------------------------------------------- gossip
-    def gossip_message(self) -> dict:
+    def gossip_message(self, hearsay: bool = True) -> dict:
         # load: the share of upload slots in use, so that peers spread their requests (docs/peerd.md)
         return {"from": self.membership.me,
                 "versions": {vid: pack_bits(vs.bits) for vid, vs in self.store.versions.items()},
-                "peers": self.membership.sample_peers(8),
+                "peers": self.membership.sample_peers(8) if hearsay else [],
                 "load": round(self.uploads_active / max(self.config.max_uploads, 1), 3)}
 
     def absorb_gossip(self, msg: dict) -> None:
@@ -241,15 +241,17 @@ class Daemon:
                 if j.policy is not None and j.state == "fetching":
                     active |= {p for p, s in j.policy.peers.items() if s.alive}
             # while downloading, push bitmaps to the active swarm often (HAVE); otherwise gossip slowly
-            if now >= next_full or self._full_due:
+            full = now >= next_full or self._full_due
+            if full:
                 targets = self.membership.gossip_targets(cfg.gossip_fanout, active if fetching else set())
                 next_full = now + cfg.gossip_interval
             else:
                 targets = [self.membership.members[i] for i in active if i in self.membership.members]
             self._full_due = False
             self._wake.clear()
-            body = json.dumps(self.gossip_message()).encode()   # packed once a round, not once a target
-            await asyncio.gather(*(self._gossip_to(m, body) for m in targets))
+            if targets:   # packed once a round, not once a target; hearsay rides on full rounds only
+                body = json.dumps(self.gossip_message(hearsay=full)).encode()
+                await asyncio.gather(*(self._gossip_to(m, body) for m in targets))
             # pushes at most every have_interval, as soon as there is news; without news, every
             # have_refresh (upload load, liveness) while the swarm is busy, else every gossip_interval
             interval = cfg.have_refresh if (fetching or any(self._serving_others())) else cfg.gossip_interval

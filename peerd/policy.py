@@ -178,12 +178,12 @@ class SwarmPolicy:
         if self._remote(p.rack):
             self.avail_far[where] += delta
 
-    def _usable(self, cols: np.ndarray, now: float) -> np.ndarray:
+    def _usable(self, cols: np.ndarray, now: float, cross_ok: np.ndarray | None = None) -> np.ndarray:
         """Holders this host may ask, per chunk: its own rack's, and other racks' only where it may
         pull across (rarest first by what is rare *to this host*: a chunk that only other racks hold
         is not rare here unless this host is the one to import it)."""
         far = self.avail_far[cols]
-        return self.avail[cols] - np.where(self._cross_ok(cols, now), 0, far)
+        return self.avail[cols] - np.where(self._cross_ok(cols, now) if cross_ok is None else cross_ok, 0, far)
 
     def _remote(self, rack: str | None) -> bool:
         return bool(self.rack) and bool(rack) and rack != self.rack
@@ -422,12 +422,12 @@ class SwarmPolicy:
         out: list[Request] = []
         cols = np.arange(self.lo, min(self.lo + self.config.window, self.n_chunks))[None, :]
         cross_ok = self._cross_ok(cols, now)
+        holders = np.maximum(self._usable(cols, now, cross_ok), 1)
         for pid, p in sorted(ready, key=lambda x: x[1].load):   # the least loaded first (stable: random among equals)
             if len(out) >= free:
                 break
             offered = p.bits[cols] & (cross_ok if p.rack != self.rack else True)
-            cand, ok = rank_window(offered & ~self.have[cols] & ~self.inflight_mask[cols],
-                                   np.maximum(self._usable(cols, now), 1), cols, *self._tb, 1)
+            cand, ok = rank_window(offered & ~self.have[cols] & ~self.inflight_mask[cols], holders, cols, *self._tb, 1)
             if ok[0, 0]:
                 c = int(cand[0, 0])
                 self._add_request(c, pid)
