@@ -27,6 +27,7 @@ import aiohttp
 from weightcast.stack.ports import free_ports
 
 PIECE = 256 * 1024
+ROUND_DEADLINE_S = 120.0      # one way's round; a hung server or client fails the bench instead of waiting
 
 
 def serve(port: int) -> None:
@@ -139,7 +140,7 @@ def run_receive_bench(size: int, count: int, rounds: int) -> dict:
         for _ in range(rounds):                      # alternating: both see the same machine noise
             for name, way in ways.items():
                 c0, t0 = _cpu(), time.monotonic()
-                asyncio.run(way())
+                asyncio.run(asyncio.wait_for(way(), ROUND_DEADLINE_S))
                 samples[name].append(((_cpu() - c0) / gib, size * count / 2**20 / (time.monotonic() - t0)))
     finally:
         server.terminate()
