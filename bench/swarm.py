@@ -39,6 +39,7 @@ class SwarmBenchConfig:
     corrupt_peers: int = 0
     max_uploads: int | None = None         # peerd's --max-uploads (default: peerd's own)
     have_interval: float | None = None     # peerd's --have-interval (default: peerd's own)
+    have_stream: bool = True               # False: peerd's --no-have-stream (pushes as HTTP POSTs)
     timeout: float = 600.0
     workdir: Path | None = None            # kept afterwards when given
     checkpoint: Callable[[Path], Path] | None = None   # writes the checkpoint; default random bytes
@@ -85,6 +86,8 @@ async def run_swarm_bench(cfg: SwarmBenchConfig, progress=None) -> dict:
                 extra += ["--max-uploads", str(cfg.max_uploads)]
             if cfg.have_interval:
                 extra += ["--have-interval", str(cfg.have_interval)]
+            if not cfg.have_stream:
+                extra += ["--no-have-stream"]
             args = fleet_args(i, ports, token=token, trusted_key=work / "key.pub", rate=cfg.rate,
                               origin_rate=cfg.rate / len(seeders), extra=extra)
             procs.append(PeerdProc(i, ports[i], work / "hosts" / i / "store", args, env=s3.env()))

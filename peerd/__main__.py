@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a verified chunk is pushed to the active peers within this many seconds")
     ap.add_argument("--have-refresh", type=float, default=default("have_refresh"),
                     help="pushes to active peers without news (upload load, liveness) while busy")
+    ap.add_argument("--no-have-stream", dest="have_stream", action="store_false", default=default("have_stream"),
+                    help="push to the active swarm with HTTP POSTs instead of HAVE links (docs/peerd.md)")
     ap.add_argument("--dead-after", type=float, default=default("dead_after"))
     ap.add_argument("--stall-after", type=float, default=default("stall_after"),
                     help="a chunk download that receives nothing this long is given up and asked elsewhere")
@@ -72,7 +74,7 @@ def config_from_args(a) -> PeerdConfig:
                        rack=a.rack, token=a.token, trusted_keys=a.trusted_key, seed_peers=a.peer,
                        upload_rate=a.upload_rate, download_rate=a.download_rate, origin_rate=a.origin_rate,
                        gossip_interval=a.gossip_interval, have_interval=a.have_interval,
-                       have_refresh=a.have_refresh, dead_after=a.dead_after, stall_after=a.stall_after,
+                       have_refresh=a.have_refresh, have_stream=a.have_stream, dead_after=a.dead_after, stall_after=a.stall_after,
                        reserve_bytes=a.reserve_bytes, max_members=a.max_members,
                        header_timeout=a.header_timeout, max_connections=a.max_connections,
                        ready_file=a.ready_file, max_uploads=a.max_uploads,

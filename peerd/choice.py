@@ -24,30 +24,44 @@ def rarity_key(holders: np.ndarray, cols: np.ndarray, table: np.ndarray, offset:
     return holders.astype(np.int32) * _T + table[(cols + offset[:, None]) & (_T - 1)]
 
 
-def origin_owner(n_chunks: int, live: np.ndarray) -> np.ndarray:
+def origin_slots(sizes: np.ndarray) -> np.ndarray:
+    """Each chunk's origin slot: where it starts in the version, in units of the largest chunk.
+    Striping by slot rather than by chunk index balances the seeders' origin *bytes*: a version of
+    many files has a short chunk at each file's end, and by index each counts as a whole one (the
+    16-host bench's 256 MiB are 258 chunks in 3 files: by index two of the 16 seeders read 17 MiB,
+    and the origin's copy took 34 s instead of 32). With equal chunks, slot = index."""
+    sizes = np.asarray(sizes, np.int64)
+    if len(sizes) == 0:
+        return sizes
+    starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+    return starts // max(int(sizes.max()), 1)
+
+
+def origin_owner(slots: np.ndarray, live: np.ndarray) -> np.ndarray:
     """Which seeder reads each chunk from the origin, as a position in the job's sorted seeder list
-    (-1: no seeder left). Chunk ``c`` is seeder ``c mod n``'s; a dead seeder's chunks are dealt
-    round-robin over the living, and nobody else's move: re-dividing every stripe by the live count
-    hands chunks already read (but not yet known to the new owner's peers) to a seeder that reads
-    them again (1.02-1.03 origin copies with 5 % of hosts dying, against 1.00 without deaths)."""
+    (-1: no seeder left). A chunk in slot ``s`` (``origin_slots``) is seeder ``s mod n``'s; a dead
+    seeder's chunks are dealt round-robin over the living, and nobody else's move: re-dividing every
+    stripe by the live count hands chunks already read (but not yet known to the new owner's peers)
+    to a seeder that reads them again (1.02-1.03 origin copies with 5 % of hosts dying, against 1.00
+    without deaths)."""
     n = len(live)
-    c = np.arange(n_chunks)
-    own = c % n
+    slots = np.asarray(slots, np.int64)
+    own = slots % n
     alive = np.flatnonzero(live)
     if len(alive) == 0:
-        return np.full(n_chunks, -1)
+        return np.full(len(slots), -1)
     dead = ~live[own]
-    own[dead] = alive[(c[dead] // n) % len(alive)]
+    own[dead] = alive[(slots[dead] // n) % len(alive)]
     return own
 
 
-def origin_order(stripe: np.ndarray, stride: int, spread: int, table: np.ndarray, offset: np.ndarray,
-                 row: int) -> np.ndarray:
-    """A seeder's next origin reads, best first: its remaining stripe (chunk ids ``stride`` apart)
-    in blocks of ``spread`` stripe positions, block by block, in the row's random order inside a
-    block. The fleet works through the file nearly in order (no chunk waits more than a block),
+def origin_order(stripe: np.ndarray, slots: np.ndarray, stride: int, spread: int, table: np.ndarray,
+                 offset: np.ndarray, row: int) -> np.ndarray:
+    """A seeder's next origin reads, best first: its remaining stripe (chunks in ``slots`` ``stride``
+    apart) in blocks of ``spread`` stripe positions, block by block, in the row's random order inside
+    a block. The fleet works through the file nearly in order (no chunk waits more than a block),
     and two seeders that briefly disagree on who owns a stripe rarely read the same chunk."""
-    block = (stripe // max(stride, 1)) // max(spread, 1)
+    block = (slots // max(stride, 1)) // max(spread, 1)
     key = block.astype(np.int64) * _T + table[(stripe + offset[row]) & (_T - 1)]
     return stripe[np.argsort(key, kind="stable")]
 

@@ -26,6 +26,7 @@ class PeerdConfig:
     gossip_fanout: int = 3                      # random peers per round (plus active swarm peers)
     have_interval: float = 0.025                # a verified chunk is pushed to the active peers within this
     have_refresh: float = 0.1                   # pushes to active peers without news (load, liveness) while busy
+    have_stream: bool = True                    # pushes to the active swarm over HAVE links (else HTTP POSTs)
     dead_after: float = 5.0                     # seconds without hearing from a peer → dead
     stall_after: float = 2.0                    # a chunk download that receives nothing this long is given up
                                                 # and asked elsewhere (a host that died mid-upload), before dead_after

@@ -12,6 +12,8 @@ from aiohttp import web
 from peerd import manifest as mf
 from peerd.config import PeerdConfig
 from peerd.conn_guard import ConnectionGuard
+from peerd import have_stream
+from peerd.have_stream import HaveLinks
 from peerd.http_input import bearer_headers
 from peerd.job import FetchJob
 from peerd.manifest_fetch import fetch_from_origin, pinned_document, verify_named, verify_pinned
@@ -43,6 +45,7 @@ class Daemon:
         self.addr = config.advertise or ""
         self.membership: Membership | None = None
         self.http: aiohttp.ClientSession | None = None
+        self.have_links = HaveLinks(self)
         self._loops: list[asyncio.Task] = []
         self._wake = asyncio.Event()                 # something to push: a finished chunk, a new or finished job
         self._full_due = False                       # ... that every member should hear (a job started or finished)
@@ -79,6 +82,7 @@ class Daemon:
         for t in self._loops + [j.task for j in self.jobs.values() if j.task]:
             t.cancel()
         await asyncio.gather(*self._loops, *[j.task for j in self.jobs.values() if j.task], return_exceptions=True)
+        await self.have_links.close()       # both sides: open websockets would hold the shutdown
         if self.http:
             await self.http.close()
         if self.runner:
@@ -181,12 +185,15 @@ class Daemon:
         return bearer_headers(self.config.token)
 
     # ---------------------------------------------------------------- gossip
+    def upload_load(self) -> float:
+        # the share of upload slots in use, so that peers spread their requests (docs/peerd.md)
+        return round(self.uploads_active / max(self.config.max_uploads, 1), 3)
+
     def gossip_message(self, hearsay: bool = True) -> dict:
-        # load: the share of upload slots in use, so that peers spread their requests (docs/peerd.md)
         return {"from": self.membership.me,
                 "versions": {vid: pack_bits(vs.bits) for vid, vs in self.store.versions.items()},
                 "peers": self.membership.sample_peers(8) if hearsay else [],
-                "load": round(self.uploads_active / max(self.config.max_uploads, 1), 3)}
+                "load": self.upload_load()}
 
     def absorb_gossip(self, msg: dict) -> None:
         member, _ = self.membership.heard_from(msg["from"], msg["versions"])
@@ -206,6 +213,13 @@ class Daemon:
                 except WireError as e:
                     log.warning("bad bitmap from %s: %s", member.id, e)
 
+    def absorb_have(self, peer_id: str, msg: dict) -> None:
+        """News from a HAVE stream: chunks ``peer_id`` verified since its last frame, and its load."""
+        if not self.membership.touch(peer_id) or peer_id in self.quarantined:
+            return                 # unknown or believed dead: its next full message brings it back
+        for vid, job in self.jobs.items():
+            job.on_have(peer_id, msg["have"].get(vid, ()), msg["load"])
+
     def announce_soon(self) -> None:
         """A job started or finished: a full gossip round now."""
         self._full_due = True
@@ -217,7 +231,7 @@ class Daemon:
         the fleet's download rate to it)."""
         self._wake.set()
 
-    async def _gossip_to(self, member, body: bytes) -> None:
+    async def gossip_over_http(self, member, body: bytes) -> None:
         try:
             async with self.http.post(f"{member.addr}/v1/gossip", data=body,
                                       headers={**self.auth_headers(), "Content-Type": "application/json"},
@@ -236,22 +250,25 @@ class Daemon:
         while True:
             now = time.monotonic()
             fetching = any(j.state == "fetching" for j in self.jobs.values())
-            active = set()
+            active, seeders = set(), set()
             for j in self.jobs.values():
                 if j.policy is not None and j.state == "fetching":
                     active |= {p for p, s in j.policy.peers.items() if s.alive}
+                if j.state == "fetching" and cfg.host_id in j.seeders:
+                    seeders |= set(j.seeders) - {cfg.host_id}
             # while downloading, push bitmaps to the active swarm often (HAVE); otherwise gossip slowly
             full = now >= next_full or self._full_due
             if full:
-                targets = self.membership.gossip_targets(cfg.gossip_fanout, active if fetching else set())
+                targets = self.membership.gossip_targets(cfg.gossip_fanout, active if fetching else set(), seeders)
                 next_full = now + cfg.gossip_interval
             else:
                 targets = [self.membership.members[i] for i in active if i in self.membership.members]
             self._full_due = False
             self._wake.clear()
-            if targets:   # packed once a round, not once a target; hearsay rides on full rounds only
-                body = json.dumps(self.gossip_message(hearsay=full)).encode()
-                await asyncio.gather(*(self._gossip_to(m, body) for m in targets))
+            if targets:
+                await asyncio.gather(*self._exchanges(targets, active, full))
+            if full:
+                self.have_links.close_idle(now)
             # pushes at most every have_interval, as soon as there is news; without news, every
             # have_refresh (upload load, liveness) while the swarm is busy, else every gossip_interval
             interval = cfg.have_refresh if (fetching or any(self._serving_others())) else cfg.gossip_interval
@@ -261,6 +278,26 @@ class Daemon:
                 await asyncio.wait_for(self._wake.wait(), timeout=interval - gap)
             except asyncio.TimeoutError:
                 pass
+
+    def _exchanges(self, targets, active: set[str], full: bool) -> list:
+        """One round's exchanges: the active swarm's over HAVE links (news, or a full message on full
+        rounds and new links), the random gossip targets' over HTTP. The full body is packed once a
+        round, and every link that carries it is marked told in the same step (no await between)."""
+        body = None
+        out = []
+        for m in targets:
+            link = self.have_links.get(m) if self.config.have_stream and m.id in active else None
+            if link is not None and not (full or link.fresh):
+                out.append(self.have_links.exchange(link, have_stream.news_frame(self, link.cursor), b""))
+                continue
+            if body is None:          # hearsay rides on full rounds only
+                body = json.dumps(self.gossip_message(hearsay=full))
+            if link is None:
+                out.append(self.gossip_over_http(m, body.encode()))
+            else:
+                link.cursor.told_all(self.store)
+                out.append(self.have_links.exchange(link, body, body.encode()))
+        return out
 
     def _serving_others(self):
         return (j for j in self.jobs.values() if j.state == "complete" and time.time() - (j.finished or 0) < 30)

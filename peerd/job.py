@@ -12,11 +12,12 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 
+from peerd.choice import origin_slots
 from peerd.manifest import Manifest
 from peerd.origin import OriginError, OriginSpec, S3Origin
 from peerd.policy import ORIGIN, Cancel, Request, SwarmPolicy
 from peerd.store import ChunkDigestMismatch, DiskFullError, VersionStore
-from peerd.wire import unpack_bits
+from peerd.wire import WireError, unpack_bits
 
 if TYPE_CHECKING:
     from peerd.daemon import Daemon
@@ -140,7 +141,8 @@ class FetchJob:
         rack_members = tuple(sorted([cfg.host_id] + [m.id for m in members.members.values() if m.rack == cfg.rack]))
         self.policy = SwarmPolicy(me=cfg.host_id, n_chunks=len(self.m.chunks), rack=cfg.rack, have=self.vs.bits,
                                   config=cfg.policy, seed=hash(cfg.host_id) & 0xFFFFFFFF,
-                                  seeders=tuple(self.seeders), rack_members=rack_members)
+                                  seeders=tuple(self.seeders), rack_members=rack_members,
+                                  origin_slots=origin_slots([c.size for c in self.m.chunks]))
         loop = asyncio.get_running_loop()
         for m in members.members.values():
             if m.dead:
@@ -186,6 +188,18 @@ class FetchJob:
         self.policy.peer_bitmap(peer_id, unpack_bits(packed, len(self.m.chunks)),
                                 asyncio.get_running_loop().time(), rack=rack, load=load)
         self._wake.set()
+
+    def on_have(self, peer_id: str, chunks, load: float | None) -> None:
+        """HAVE-stream news: chunks ``peer_id`` verified since its last frame (peers not tracked yet
+        are added by their full message), and its upload load."""
+        if self.policy is None or self.state != "fetching":
+            return
+        if chunks and max(chunks) >= len(self.m.chunks):
+            raise WireError(f"chunk {max(chunks)} is out of range: version {self.vs.vid[:12]}… has "
+                            f"{len(self.m.chunks)} chunks")
+        self.policy.peer_has(peer_id, chunks, asyncio.get_running_loop().time(), load=load)
+        if chunks:
+            self._wake.set()
 
     def on_quarantine(self, peer_id: str) -> None:
         if self.policy is not None:

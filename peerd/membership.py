@@ -15,6 +15,7 @@ class Member:
     addr: str
     rack: str
     last_heard: float = 0.0          # 0 = known only from a seed list or hearsay
+    probed: float = 0.0              # first time this host gossiped to it (0 = never tried)
     dead: bool = False
     versions: dict[str, str] = field(default_factory=dict)   # vid -> packed bitmap (as received)
 
@@ -28,7 +29,6 @@ class Membership:
         self.clock = clock
         self.rng = rng or random.Random()
         self.members: dict[str, Member] = {}
-        self.started = clock()
         self._pool: list[Member] = []               # live members to sample hearsay from, rebuilt ...
         self._pool_at = -POOL_TTL                   # ... at most every POOL_TTL seconds
 
@@ -63,13 +63,25 @@ class Membership:
         m.versions = dict(versions)        # a peer sends all it holds: replace, never accumulate
         return m, revived
 
+    def touch(self, member_id: str) -> bool:
+        """Direct contact without a full message (HAVE-stream news). False for a member not known or
+        believed dead: only a full message (within a gossip interval) brings one back."""
+        m = self.members.get(member_id)
+        if m is None or m.dead:
+            return False
+        m.last_heard = self.clock()
+        return True
+
     def sweep(self) -> list[Member]:
-        """Mark members silent for ``dead_after`` as dead; return the newly dead."""
+        """Mark members silent for ``dead_after`` as dead; return the newly dead. A member never heard
+        from is judged from the first time this host gossiped to it, not from this host's start: in
+        a fleet started together (or a large one) an alive member may simply not have been reached
+        yet, and a seeder wrongly believed dead has its stripe read again by the others."""
         now = self.clock()
         out = []
         for m in self.members.values():
-            ref = m.last_heard or self.started
-            if not m.dead and now - ref > self.dead_after:
+            ref = m.last_heard or m.probed
+            if ref and not m.dead and now - ref > self.dead_after:
                 m.dead = True
                 out.append(m)
         return out
@@ -84,14 +96,22 @@ class Membership:
     def live(self) -> list[Member]:
         return [m for m in self.members.values() if not m.dead]
 
-    def gossip_targets(self, fanout: int, always: set[str]) -> list[Member]:
-        """``fanout`` random members (dead ones too, rarely, so a recovered host is found again)."""
-        live = [m for m in self.live() if m.id not in always]
-        dead = [m for m in self.members.values() if m.dead]
+    def gossip_targets(self, fanout: int, always: set[str], probe: set[str] = frozenset()) -> list[Member]:
+        """``fanout`` random members (dead ones too, rarely, so a recovered host is found again), the
+        live members of ``always``, and every member of ``probe`` alive or not (a seeder's fellow
+        seeders: one believed dead has its origin stripe read by others, so a mistake costs origin
+        reads, and random gossip alone may not reach a given member within ``dead_after``)."""
+        named = always | probe
+        live = [m for m in self.live() if m.id not in named]
+        dead = [m for m in self.members.values() if m.dead and m.id not in named]
         picks = self.rng.sample(live, min(fanout, len(live)))
         if dead and self.rng.random() < 0.2:
             picks.append(self.rng.choice(dead))
-        return picks + [self.members[i] for i in always if i in self.members and not self.members[i].dead]
+        picks += [self.members[i] for i in named if i in self.members and (i in probe or not self.members[i].dead)]
+        now = self.clock()
+        for m in picks:
+            m.probed = m.probed or now
+        return picks
 
     def sample_peers(self, k: int) -> list[dict]:
         """Hearsay for a gossip message. Every message carries some, and listing the live members

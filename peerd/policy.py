@@ -91,10 +91,12 @@ class SwarmPolicy:
     seed: int = 0
     seeders: tuple[str, ...] = ()       # hosts that may read the origin, striped
     rack_members: tuple[str, ...] = ()  # hosts of my rack, for cross-rack import striping
+    origin_slots: np.ndarray | None = None   # choice.origin_slots of the chunk sizes (None: equal chunks)
 
     def __post_init__(self):
         n = self.n_chunks
         self.rng = np.random.default_rng(self.seed)
+        self.origin_slots = np.arange(n) if self.origin_slots is None else np.asarray(self.origin_slots, np.int64)
         self._rnd = random.Random(self.seed)       # cheap scalar draws for peer tie-breaks
         self._peer_list: list[tuple[str, PeerState]] = []
         self.have = np.zeros(n, bool) if self.have is None else np.asarray(self.have, bool).copy()
@@ -124,7 +126,7 @@ class SwarmPolicy:
         idx = np.arange(self.n_chunks)
         seeds = sorted(self.seeders)
         live = np.array([s == self.me or s not in self.dead_members for s in seeds], bool)
-        self.origin_mask = (origin_owner(self.n_chunks, live) == seeds.index(self.me)) if self.me in seeds \
+        self.origin_mask = (origin_owner(self.origin_slots, live) == seeds.index(self.me)) if self.me in seeds \
             else np.zeros(self.n_chunks, bool)
         racks = self._live(self.rack_members)
         if self.me in racks and len(racks) > 1:
@@ -396,7 +398,8 @@ class SwarmPolicy:
         if free <= 0 or now < self.origin_backoff_until:
             return []
         cand = np.flatnonzero(self.origin_mask & (self.avail == 0) & ~self.have & ~self.inflight_mask)
-        return origin_order(cand, len(self.seeders), self.config.origin_spread, *self._tb, 0)[:free].tolist()
+        return origin_order(cand, self.origin_slots[cand], len(self.seeders), self.config.origin_spread,
+                            *self._tb, 0)[:free].tolist()
 
     def _choose_source(self, c: int, ready: list, cross_ok: bool) -> str | None:
         same = np.array([p.rack == self.rack for _, p in ready])

@@ -5,6 +5,23 @@ import asyncio
 import time
 
 
+class _Meter:
+    """Tokens refilled at ``rate`` up to ``burst``; ``charge`` takes n (into debt) and says how long
+    the debt takes to clear."""
+
+    def __init__(self, rate: float, burst: float):
+        self.rate, self.burst = rate, burst
+        self.tokens = burst
+        self.stamp = time.monotonic()
+
+    def charge(self, n: int) -> float:
+        now = time.monotonic()
+        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+        self.tokens -= n
+        return max(0.0, -self.tokens / self.rate)
+
+
 class TokenBucket:
     """``rate`` bytes/s with a ``burst`` allowance; ``rate=None`` means unlimited.
 
@@ -15,26 +32,25 @@ class TokenBucket:
     def __init__(self, rate: float | None, burst: float | None = None):
         self.rate = rate
         self.burst = burst if burst is not None else (rate * 0.05 if rate else 0)
-        self.tokens = self.burst
-        self.stamp = time.monotonic()
+        self._all = _Meter(rate, self.burst) if rate else None
+        self._first = _Meter(rate, self.burst) if rate else None    # priority traffic alone
         self._lock = asyncio.Lock()
 
-    def _charge(self, n: int) -> float:
-        now = time.monotonic()
-        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
-        self.stamp = now
-        self.tokens -= n
-        return max(0.0, -self.tokens / self.rate)
-
     async def acquire(self, n: int, priority: bool = False) -> None:
-        """Wait until ``n`` bytes may pass. ``priority`` skips the queue but still pays (the total rate
-        holds; the others wait longer): origin reads use it so the fleet's scarcest link never idles."""
+        """Wait until ``n`` bytes may pass. ``priority`` bytes go first: they wait only for earlier
+        priority bytes (never above ``rate`` on their own) and the others pay for them (the total rate
+        holds; the others wait longer). Origin reads use it so the fleet's scarcest link never idles
+        behind a peer download's debt (before, an origin piece waited out that debt: the 16-host
+        bench's origin finished 7 % late)."""
         if not self.rate:
             return
         if priority:
-            await asyncio.sleep(self._charge(n))
+            self._all.charge(n)
+            wait = self._first.charge(n)
+            if wait:
+                await asyncio.sleep(wait)
             return
         async with self._lock:   # FIFO: one waiter at a time pays its debt
-            wait = self._charge(n)
+            wait = self._all.charge(n)
             if wait:
                 await asyncio.sleep(wait)

@@ -7,6 +7,7 @@ import re
 
 from aiohttp import web
 
+from peerd import have_stream
 from peerd.http_input import BadInput, bearer_ok, read_json
 from peerd.manifest import ManifestError
 from peerd.metrics import metrics_handler
@@ -174,6 +175,9 @@ def make_app(daemon, *middlewares) -> web.Application:
         d.metrics.gossip.labels("received").inc()
         return web.json_response(d.gossip_message())
 
+    async def have(request):
+        return await have_stream.serve(d, request)
+
     async def remove(request):
         vs = version_store(request)
         job = d.jobs.pop(vs.vid, None)
@@ -193,4 +197,5 @@ def make_app(daemon, *middlewares) -> web.Application:
     app.router.add_get("/v1/versions/{vid}/chunks/{index}", chunk)
     app.router.add_delete("/v1/versions/{vid}", remove)
     app.router.add_post("/v1/gossip", gossip)
+    app.router.add_get(have_stream.PATH, have)
     return app

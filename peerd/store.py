@@ -79,6 +79,7 @@ class VersionStore:
         self.bits = np.zeros(len(manifest.chunks), dtype=bool)
         self.done_chunks = 0
         self.done_bytes = 0
+        self.news: list[int] = []     # chunks verified by this process, in order (HAVE-stream news)
         self.fingerprints: dict[str, tuple[int, int, int]] = {}   # file -> (size, mtime, ctime) when verified
         self.suspect = False          # a chunk was found corrupt on disk: re-check every chunk before serving
         self._digest_idx: dict[str, int] | None = None
@@ -244,6 +245,7 @@ class VersionStore:
         """Set a chunk's in-memory bit after ``write_chunk``; only on the owner's thread."""
         if not self.bits[index]:
             self.bits[index] = True
+            self.news.append(index)
             self.done_chunks += 1
             self.done_bytes += self.manifest.chunks[index].size
 

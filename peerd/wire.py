@@ -69,11 +69,27 @@ def check_gossip(body) -> dict:
     peers = body.get("peers", [])
     if not isinstance(peers, list) or len(peers) > 256:
         raise WireError("peers must be a list of at most 256 peers")
-    load = body.get("load")
+    return {"from": sender, "versions": versions, "peers": [check_peer(p) for p in peers],
+            "load": _check_load(body.get("load"))}
+
+
+def check_have(body) -> dict:
+    """A HAVE-stream news frame: ``{"have": {vid: [chunk, ...]}, "load": x}`` (peerd/have_stream.py).
+    Chunk ids are checked against each version's manifest where the version is known."""
+    have = body.get("have") if isinstance(body, dict) else None
+    if not isinstance(have, dict) or len(have) > 64:
+        raise WireError("have must be an object of at most 64 version ids, each with a list of chunk ids")
+    for k, v in have.items():
+        check_vid(k)
+        if not isinstance(v, list) or not all(type(c) is int and c >= 0 for c in v):
+            raise WireError(f"have[{k[:12]}…] must be a list of chunk ids (integers >= 0)")
+    return {"have": have, "load": _check_load(body.get("load"))}
+
+
+def _check_load(load) -> float | None:
     if load is not None and (isinstance(load, bool) or not isinstance(load, (int, float)) or not 0 <= load <= 1e3):
         raise WireError("load must be a number >= 0 (the share of upload slots in use)")
-    return {"from": sender, "versions": versions, "peers": [check_peer(p) for p in peers],
-            "load": None if load is None else float(load)}
+    return None if load is None else float(load)
 
 
 def check_job(body) -> dict:

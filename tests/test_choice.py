@@ -2,7 +2,8 @@
 import numpy as np
 
 from peerd.sim.fluid import max_min_rates
-from peerd.choice import rank_window, source_scores, tiebreak_params
+from peerd.choice import origin_owner, origin_slots, rank_window, source_scores, tiebreak_params
+from peerd.policy import SwarmPolicy
 
 
 def rows(*xs):
@@ -82,3 +83,21 @@ def test_cross_rack_importers_widen_by_doubling_after_the_rescue():
     dist = np.arange(500)                       # every member of a 500-host rack, by distance from the importer
     allowed = [int(cross_rack_ok(dist, 500, np.full(500, age), 2.0, 10.0).sum()) for age in (0, 2, 9.9, 10, 12, 14, 26)]
     assert allowed == [1, 2, 2, 3, 5, 9, 500]  # importer; + backup; + 2, 4, 8 ... first members; all 8 grace later
+
+
+def test_origin_stripes_balance_bytes_not_chunk_counts():
+    """The 16-host bench's layout: 256 MiB in 3 files of 1 MiB chunks is 258 chunks (a short one ends
+    each file). By chunk index two of 16 seeders read 17 MiB (the origin's copy takes 17/16 of S/B);
+    by origin slot nobody reads more than 16 MiB and a short chunk."""
+    mib = 1 << 20
+    sizes = np.array(([mib] * 85 + [mib // 3]) * 3)
+    by_index = np.bincount(np.arange(len(sizes)) % 16, weights=sizes)
+    by_slot = np.bincount(origin_owner(origin_slots(sizes), np.ones(16, bool)), weights=sizes)
+    assert by_index.max() == 17 * mib
+    assert by_slot.max() <= 16 * mib + mib // 3 and by_slot.sum() == sizes.sum()
+    assert (origin_slots(np.full(10, 4096)) == np.arange(10)).all()       # equal chunks: slot = index
+    seeders = tuple(f"s{i:02d}" for i in range(16))
+    mine = [SwarmPolicy(me=s, n_chunks=len(sizes), seeders=seeders, origin_slots=origin_slots(sizes)).origin_mask
+            for s in seeders]
+    assert (np.sum(mine, axis=0) == 1).all()                              # every chunk has one reader
+    assert max(sizes[mask].sum() for mask in mine) == by_slot.max()       # the daemon's policy stripes by slot

@@ -203,13 +203,17 @@ async def test_bytes_changed_on_disk_after_verification_are_not_served(tmp_path,
         fleet.stop()
 
 
-async def test_each_verified_chunk_is_pushed_to_the_swarm_as_news(tmp_path, seaweed, keys, signed, checkpoint, prefix):
+@pytest.mark.parametrize("transport", ["have-links", "http"])
+async def test_each_verified_chunk_is_pushed_to_the_swarm_as_news(tmp_path, seaweed, keys, signed, checkpoint, prefix,
+                                                                  transport):
     """Refreshes and gossip rounds 30 s apart: 'b' (no origin access) still fetches from 'a' while 'a'
     is reading the origin, because each chunk 'a' verifies is pushed to its active peers within
-    --have-interval. Without that push 'b' would learn of a's chunks only when 'a' finished."""
+    --have-interval, over HAVE links (news frames) or, with --no-have-stream, HTTP POSTs. Without that
+    push 'b' would learn of a's chunks only when 'a' finished."""
     m, doc = signed
     origin = await publish(seaweed, checkpoint, prefix)
-    quiet = ["--have-refresh", "30", "--gossip-interval", "30", "--dead-after", "60"]
+    quiet = ["--have-refresh", "30", "--gossip-interval", "30", "--dead-after", "60"] + \
+        (["--no-have-stream"] if transport == "http" else [])
     fleet = Fleet(tmp_path, seaweed, keys["pub_path"], ["a", "b"],
                   extra={"a": quiet + ["--origin-rate", "1M"], "b": quiet}).start()
     try:
@@ -221,6 +225,8 @@ async def test_each_verified_chunk_is_pushed_to_the_swarm_as_news(tmp_path, seaw
                 fetched_early = max(fetched_early, (await cb.job(m.digest))["chunks_done"])
                 await asyncio.sleep(0.05)
             assert fetched_early >= len(m.chunks) // 2, fetched_early   # most of it, while 'a' was still reading
+            frames = await ca.metric('peerd_have_frames_total{direction="sent"}')
+            assert (frames >= len(m.chunks) // 2) if transport == "have-links" else frames == 0, frames
             done = await cb.wait(m.digest, 30)
         assert done["state"] == "complete" and done["bytes_by_source"]["origin"] == 0
         assert host_files_match(fleet, "b", m, checkpoint)

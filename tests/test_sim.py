@@ -78,15 +78,15 @@ def test_a_dead_seeders_stripe_waits_until_its_peers_give_up_on_it():
 
 def test_only_a_dead_seeders_chunks_change_hands():
     live = np.ones(8, bool)
-    before = origin_owner(1000, live)
+    before = origin_owner(np.arange(1000), live)
     assert (before == np.arange(1000) % 8).all()
     live[3] = False
-    after = origin_owner(1000, live)
+    after = origin_owner(np.arange(1000), live)
     moved = before != after
     assert (before[moved] == 3).all() and moved.sum() == 125          # every chunk of seeder 3, no other
     assert set(after[moved].tolist()) == {0, 1, 2, 4, 5, 6, 7}          # dealt over the living ...
     assert np.bincount(after[moved], minlength=8).max() <= 125 // 7 + 1  # ... evenly
-    assert (origin_owner(10, np.zeros(4, bool)) == -1).all()           # no seeder left: nobody
+    assert (origin_owner(np.arange(10), np.zeros(4, bool)) == -1).all()           # no seeder left: nobody
 
 
 def test_holdings_arrive_by_bitmap_push():

@@ -113,7 +113,7 @@ def _swarm_config(a):
     deadline = a.deadline or 60 + 5 * a.size / a.rate     # never wait forever on a hung or dead host
     return SwarmBenchConfig(hosts=a.hosts, size=a.size, rate=a.rate, chunk=a.chunk, kill=a.kill,
                             corrupt_peers=a.corrupt_peers, max_uploads=a.max_uploads,
-                            have_interval=a.have_interval, timeout=deadline)
+                            have_interval=a.have_interval, have_stream=a.have_stream, timeout=deadline)
 
 
 def cmd_bench_swarm(a) -> int:
@@ -593,6 +593,8 @@ def _swarm_flags(p, *, hosts: int, size: str, rate: str, chunk: str, kill: int, 
     p.add_argument("--corrupt-peers", type=int, default=corrupt, help="hosts that serve flipped bytes (per swarm)")
     p.add_argument("--max-uploads", type=int, default=None, help="peerd's --max-uploads (default: peerd's own)")
     p.add_argument("--have-interval", type=float, default=None, help="peerd's --have-interval (default: peerd's own)")
+    p.add_argument("--no-have-stream", dest="have_stream", action="store_false",
+                   help="peerd's --no-have-stream: pushes as HTTP POSTs (the A/B of docs/peerd.md)")
     p.add_argument("--deadline", type=float, default=None, help="seconds per swarm before giving up (default 60 + 5 S/R)")
     p.add_argument("--json", action="store_true")
 

@@ -210,13 +210,14 @@ class FleetSim:
             stripe = self.stripes[i]
             stripe = stripe[(self.nb_cnt[s, stripe] == 0) & ~self.have[s, stripe] & ~self.pend[s, stripe]]
             if len(stripe):
-                c = int(origin_order(stripe, len(self.seeders), self.cfg.policy.origin_spread, self.tb_a, self.tb_b, s)[0])
+                c = int(origin_order(stripe, stripe, len(self.seeders), self.cfg.policy.origin_spread,
+                                     self.tb_a, self.tb_b, s)[0])   # equal chunks: slot = index
                 fl.src[s, D], fl.chunk[s, D], fl.left[s, D] = self.ORG, c, 1.0
                 self.pend[s, c] = True
                 self.n_up[self.ORG] += 1
 
     def _deal_stripes(self) -> None:
-        owner = origin_owner(self.C, ~self.believed_dead[self.seeders])
+        owner = origin_owner(np.arange(self.C), ~self.believed_dead[self.seeders])
         self.stripes = [np.flatnonzero(owner == i) for i in range(len(self.seeders))]
 
     def _cross_ok(self, h: np.ndarray, c: np.ndarray, now: float) -> np.ndarray:
