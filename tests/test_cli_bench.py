@@ -163,3 +163,12 @@ def test_bench_receive_compares_both_receive_paths(capsys):
     for way in ("aiohttp", "buffered_protocol"):
         assert len(r[way]["cpu_s_per_gib_all"]) == 2 and r[way]["cpu_s_per_gib"] > 0 and r[way]["mib_per_s"] > 0
     assert r["protocol_over_aiohttp_cpu"] > 0
+
+
+def test_bench_gossip_times_both_push_transports_against_a_real_peerd(capsys):
+    assert main(["bench", "gossip", "--exchanges", "150", "--rounds", "2", "--peers", "5", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["exchanges_per_round"] == 150
+    for way in ("http", "have"):
+        assert len(r[way]["total_ms_all"]) == 2 and r[way]["client_ms"] > 0 and r[way]["total_ms"] > 0
+    assert r["have_over_http"] > 0

@@ -70,7 +70,7 @@ class AppThread:
 PEERD_ROUTES = [("POST", "/v1/jobs"), ("POST", "/v1/gossip"), ("GET", "/v1/jobs/{}"), ("GET", "/v1/status"),
                 ("GET", "/v1/versions/{}/bitmap"), ("GET", "/v1/versions/{}/manifest"),
                 ("GET", "/v1/versions/{}/chunks/{}"), ("DELETE", "/v1/versions/{}"), ("GET", "/healthz"),
-                ("DELETE", "/v1/jobs/{}"), ("DELETE", "/v1/jobs/{}?reason={}")]
+                ("DELETE", "/v1/jobs/{}"), ("DELETE", "/v1/jobs/{}?reason={}"), ("GET", "/v1/have")]
 SERVING_ROUTES = [("POST", "/v1/load"), ("POST", "/v1/unload"), ("POST", "/v1/infer"), ("GET", "/v1/versions"),
                   ("GET", "/health/ready?model_version={}"),
                   ("POST", "/v1/models/{}/infer"), ("PUT", "/admin/models/{}/hosts"), ("PUT", "/admin/models/{}/weights"),

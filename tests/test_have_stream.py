@@ -51,6 +51,8 @@ async def test_a_link_needs_the_cluster_token(daemon):
             with pytest.raises(aiohttp.WSServerHandshakeError) as e:
                 await s.ws_connect(addr + "/v1/have", headers=headers)
             assert e.value.status == 401
+        async with s.get(addr + "/v1/have", headers=AUTH) as r:      # not a websocket upgrade: a 4xx
+            assert r.status == 400 and "error" in await r.json()
 
 
 async def test_a_link_answers_a_full_message_and_then_news(daemon):

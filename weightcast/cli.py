@@ -158,6 +158,12 @@ def cmd_bench_throughput(a) -> int:
     return 0 if not res["failed"] else 1
 
 
+def cmd_bench_gossip(a) -> int:
+    from bench.gossip import run_gossip_bench
+    print(json.dumps(asyncio.run(run_gossip_bench(a.exchanges, a.rounds, a.peers)), indent=None if a.json else 1))
+    return 0
+
+
 def cmd_bench_receive(a) -> int:
     from bench.receive import run_receive_bench
     print(json.dumps(run_receive_bench(a.size, a.count, a.rounds), indent=None if a.json else 1))
@@ -688,6 +694,13 @@ def build_parser() -> argparse.ArgumentParser:
     bv.add_argument("--rounds", type=positive_int, default=3)
     bv.add_argument("--json", action="store_true")
     bv.set_defaults(fn=cmd_bench_receive)
+    bg = bench.add_parser("gossip", help="CPU of one push exchange with a real peerd: HTTP POST /v1/gossip vs a "
+                                         "frame on a HAVE link, alternating")
+    bg.add_argument("--exchanges", type=positive_int, default=3000, help="exchanges per round and way")
+    bg.add_argument("--rounds", type=positive_int, default=2)
+    bg.add_argument("--peers", type=positive_int, default=15, help="members pushing at once")
+    bg.add_argument("--json", action="store_true")
+    bg.set_defaults(fn=cmd_bench_gossip)
     br = bench.add_parser("rebalance", help="one slow data-parallel rank: equal shares vs rebalanced vs balanced")
     _training_bench_flags(br, steps=30)
     br.add_argument("--slowdown", type=float, default=2.0, help="the last rank computes this many times slower")
