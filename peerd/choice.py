@@ -7,6 +7,7 @@ their arguments; randomness comes in through seeded parameters or a passed gener
 from __future__ import annotations
 
 import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
 
 _T = 4096                   # size of the random order table; chunk ids wrap around it
 _NONE = np.iinfo(np.int32).max
@@ -19,9 +20,24 @@ def tiebreak_params(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.nd
     return rng.permutation(_T).astype(np.int32), rng.integers(0, _T, n, dtype=np.int64)
 
 
-def rarity_key(holders: np.ndarray, cols: np.ndarray, table: np.ndarray, offset: np.ndarray) -> np.ndarray:
-    """Sort key per (row, chunk): fewest holders first, then the row's random order."""
-    return holders.astype(np.int32) * _T + table[(cols + offset[:, None]) & (_T - 1)]
+def window_rows(a: np.ndarray, rows: np.ndarray, lo: np.ndarray, width: int) -> np.ndarray:
+    """``a[rows[i], lo[i]:lo[i] + width]`` for every i, as one (len(rows), width) array. Gathered
+    through a strided view: no index matrix is built (at 10,000 rows x 400 columns ~1 ms against
+    ~20 ms for flat indices and ``np.take``)."""
+    return sliding_window_view(a, width, axis=1)[rows, lo]
+
+
+def tiebreak_rows(table: np.ndarray, offset: np.ndarray, lo: np.ndarray, width: int) -> np.ndarray:
+    """Each row's random order over the chunk ids ``lo[i] .. lo[i] + width``: the shared table read
+    at the row's offset, ``table[(c + offset[i]) mod _T]``."""
+    ext = table[np.arange(_T + width) & (_T - 1)]
+    return window_rows(ext[None, :], np.zeros(len(lo), np.int64), (lo + offset) & (_T - 1), width)
+
+
+def rarity_key(holders: np.ndarray, lo: np.ndarray, table: np.ndarray, offset: np.ndarray) -> np.ndarray:
+    """Sort key per (row, chunk) over each row's window of chunk ids from ``lo``: fewest holders
+    first, then the row's random order."""
+    return holders.astype(np.int32) * _T + tiebreak_rows(table, offset, lo, holders.shape[1])
 
 
 def origin_slots(sizes: np.ndarray) -> np.ndarray:
@@ -66,15 +82,17 @@ def origin_order(stripe: np.ndarray, slots: np.ndarray, stride: int, spread: int
     return stripe[np.argsort(key, kind="stable")]
 
 
-def rank_window(want: np.ndarray, holders: np.ndarray, cols: np.ndarray, table: np.ndarray,
+def rank_window(want: np.ndarray, holders: np.ndarray, lo: np.ndarray, table: np.ndarray,
                 offset: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """Rarest first: for each row, the ``k`` wanted chunks held by the fewest known peers (random
     order among equals), best first.
 
-    Inputs are (rows, window) over the chunk ids in ``cols``: whether the host wants the chunk (lacks
-    it and has not asked for it) and how many usable peers hold it; a chunk nobody holds is never
-    ranked. Returns (chunk ids, valid) of shape (rows, min(k, window))."""
-    key = np.where(want & (holders > 0), rarity_key(holders, cols, table, offset), _NONE)
+    Inputs are (rows, window) over each row's chunk ids ``lo[i] .. lo[i] + window``: whether the host
+    wants the chunk (lacks it and has not asked for it) and how many usable peers hold it; a chunk
+    nobody holds is never ranked. Returns (chunk ids, valid) of shape (rows, min(k, window))."""
+    if want.shape[1] == 0:
+        return np.zeros((len(want), 0), np.int64), np.zeros((len(want), 0), bool)
+    key = np.where(want & (holders > 0), rarity_key(holders, lo, table, offset), _NONE)
     k = min(k, key.shape[1])
     if k == 1:
         idx = np.argmin(key, axis=1)[:, None]
@@ -82,7 +100,7 @@ def rank_window(want: np.ndarray, holders: np.ndarray, cols: np.ndarray, table: 
         part = np.argpartition(key, k - 1, axis=1)[:, :k]
         idx = np.take_along_axis(part, np.argsort(np.take_along_axis(key, part, axis=1), axis=1, kind="stable"),
                                  axis=1)
-    return np.take_along_axis(cols, idx, axis=1), np.take_along_axis(key, idx, axis=1) != _NONE
+    return lo[:, None] + idx, np.take_along_axis(key, idx, axis=1) != _NONE
 
 
 def source_scores(holds: np.ndarray, same_rack: np.ndarray, mine_inflight: np.ndarray,
@@ -103,7 +121,19 @@ def cross_rack_ok(dist: np.ndarray, n: np.ndarray, age: np.ndarray, grace_s: flo
     the backup (n // 2) after ``grace_s`` since the chunk was first seen; after ``rescue_s`` (importer
     and backup dead, cut off or without a remote source) the first 2, 4, 8, ... members, doubling every
     ``grace_s``, so a rack of 500 does not pull 500 copies across its uplink at once."""
+    return reach_ok(dist, n, *import_reach(age, grace_s, rescue_s))
+
+
+def import_reach(age: np.ndarray, grace_s: float, rescue_s: float) -> tuple[np.ndarray, np.ndarray]:
+    """``cross_rack_ok``'s per-chunk half, from each chunk's age since first seen: whether its backup
+    may import it yet, and how far from the importer the rescue widening reaches (0 before
+    ``rescue_s``). The simulator computes it once per chunk instead of once per (host, chunk)."""
     later = np.maximum(age - rescue_s, 0.0)
-    width = np.where(age >= rescue_s, np.exp2(1.0 + np.floor(later / grace_s)), 0.0)
-    return (dist == 0) | ((dist == n // 2) & (age >= grace_s)) | (dist < width)
+    return age >= grace_s, np.where(age >= rescue_s, np.exp2(1.0 + np.floor(later / grace_s)), 0.0)
+
+
+def reach_ok(dist: np.ndarray, n: np.ndarray, backup: np.ndarray, width: np.ndarray) -> np.ndarray:
+    """``cross_rack_ok``'s per-(host, chunk) half: the importer, the backup once allowed, and the
+    members within the rescue widening."""
+    return (dist == 0) | ((dist == n // 2) & backup) | (dist < width)
 

@@ -378,7 +378,7 @@ class SwarmPolicy:
         holders = self._usable(cols, now)
         if n - self.missing < self.config.random_first:
             holders = np.minimum(holders, 1)                # random order: something to trade early
-        cand, ok = rank_window(~self.have[cols] & ~self.inflight_mask[cols], holders, cols, *self._tb,
+        cand, ok = rank_window(~self.have[cols] & ~self.inflight_mask[cols], holders, np.array([self.lo]), *self._tb,
                                self.config.plan_size)
         self._plan = cand[0][ok[0]]
 
@@ -430,7 +430,8 @@ class SwarmPolicy:
             if len(out) >= free:
                 break
             offered = p.bits[cols] & (cross_ok if p.rack != self.rack else True)
-            cand, ok = rank_window(offered & ~self.have[cols] & ~self.inflight_mask[cols], holders, cols, *self._tb, 1)
+            cand, ok = rank_window(offered & ~self.have[cols] & ~self.inflight_mask[cols], holders, np.array([self.lo]),
+                                   *self._tb, 1)
             if ok[0, 0]:
                 c = int(cand[0, 0])
                 self._add_request(c, pid)

@@ -2,7 +2,8 @@
 import numpy as np
 
 from peerd.sim.fluid import max_min_rates
-from peerd.choice import origin_owner, origin_slots, rank_window, source_scores, tiebreak_params
+from peerd.choice import (origin_owner, origin_slots, rank_window, source_scores, tiebreak_params, tiebreak_rows,
+                          window_rows)
 from peerd.policy import SwarmPolicy
 
 
@@ -12,14 +13,14 @@ def rows(*xs):
 
 def test_rarest_first_skips_held_asked_and_unavailable_chunks():
     cols = np.arange(6)[None, :]
-    have = rows([1, 0, 0, 0, 0, 0]).astype(bool)
-    pend = rows([0, 1, 0, 0, 0, 0]).astype(bool)
-    holders = rows([1, 1, 3, 0, 2, 1])
+    have = rows([1, 0, 0, 0, 0, 0]).astype(bool)[None, :]
+    pend = rows([0, 1, 0, 0, 0, 0]).astype(bool)[None, :]
+    holders = rows([1, 1, 3, 0, 2, 1])[None, :]
     table, off = tiebreak_params(np.random.default_rng(0), 1)
-    cand, ok = rank_window(~have & ~pend, holders, cols, table, off, 4)
+    cand, ok = rank_window(~have & ~pend, holders, cols[:, 0], table, off, 4)
     got = cand[0][ok[0]].tolist()
     assert got[0] == 5 and got[1:] == [4, 2]        # 1 holder, then 2, then 3; 0, 1, 3 excluded
-    one, ok1 = rank_window(~have & ~pend, holders, cols, table, off, 1)
+    one, ok1 = rank_window(~have & ~pend, holders, cols[:, 0], table, off, 1)
     assert ok1[0, 0] and one[0, 0] == got[0]         # the k=1 shortcut agrees
 
 
@@ -27,18 +28,18 @@ def test_equally_rare_chunks_are_picked_at_random_and_differently_per_host():
     n = 64
     cols = np.tile(np.arange(n), (200, 1))
     table, off = tiebreak_params(np.random.default_rng(1), 200)
-    cand, ok = rank_window(np.ones((200, n), bool), np.ones((200, n), int), cols, table, off, 1)
+    cand, ok = rank_window(np.ones((200, n), bool), np.ones((200, n), int), cols[:, 0], table, off, 1)
     assert ok.all() and len(set(cand[:, 0].tolist())) > 40   # 200 hosts do not herd on one chunk
-    again, _ = rank_window(np.ones((200, n), bool), np.ones((200, n), int), cols, table, off, 1)
+    again, _ = rank_window(np.ones((200, n), bool), np.ones((200, n), int), cols[:, 0], table, off, 1)
     assert (again == cand).all()                              # and the order is reproducible
 
 
 def test_no_wanted_chunk_is_reported_invalid():
     cols = np.arange(3)[None, :]
     table, off = tiebreak_params(np.random.default_rng(0), 1)
-    _, ok = rank_window(np.zeros((1, 3), bool), np.ones((1, 3), int), cols, table, off, 2)
+    _, ok = rank_window(np.zeros((1, 3), bool), np.ones((1, 3), int), cols[:, 0], table, off, 2)
     assert not ok.any()
-    full, okf = rank_window(np.ones((1, 3), bool), np.array([[2, 1, 3]]), cols, table, off, 3)
+    full, okf = rank_window(np.ones((1, 3), bool), np.array([[2, 1, 3]]), cols[:, 0], table, off, 3)
     assert okf.all() and full[0].tolist() == [1, 0, 2]       # k = window: all of it, rarest first
 
 
@@ -101,3 +102,17 @@ def test_origin_stripes_balance_bytes_not_chunk_counts():
             for s in seeders]
     assert (np.sum(mine, axis=0) == 1).all()                              # every chunk has one reader
     assert max(sizes[mask].sum() for mask in mine) == by_slot.max()       # the daemon's policy stripes by slot
+
+
+def test_window_gathers_match_plain_indexing():
+    """The strided-view gathers the simulator ranks with (no index matrices) are plain indexing."""
+    rng = np.random.default_rng(3)
+    a = rng.integers(0, 9, (50, 300)).astype(np.uint8)
+    rows_, lo = rng.integers(0, 50, 40), rng.integers(0, 200, 40)
+    expect = np.stack([a[r, s:s + 64] for r, s in zip(rows_, lo)])
+    assert (window_rows(a, rows_, lo, 64) == expect).all()
+    table, off = tiebreak_params(rng, 40)
+    tie = np.stack([table[(np.arange(s, s + 64) + o) % len(table)] for s, o in zip(lo, off)])
+    assert (tiebreak_rows(table, off, lo, 64) == tie).all()
+    empty, ok = rank_window(np.ones((2, 0), bool), np.ones((2, 0), int), np.array([5, 6]), table, off[:2], 3)
+    assert empty.shape == (2, 0) and ok.shape == (2, 0)                 # an empty window ranks nothing

@@ -27,7 +27,8 @@ from dataclasses import asdict
 
 import numpy as np
 
-from peerd.choice import cross_rack_ok, origin_order, origin_owner, rank_window, source_scores, tiebreak_params
+from peerd.choice import (cross_rack_ok, import_reach, origin_order, origin_owner, rank_window, reach_ok,
+                          source_scores, tiebreak_params, window_rows)
 from peerd.sim.config import SimConfig, analytic_baselines
 from peerd.sim.fluid import rates_with_priority, scale_to_caps
 from peerd.sim.topology import build
@@ -226,16 +227,23 @@ class FleetSim:
         n, pol = self.rack_size[hh], self.cfg.policy
         return cross_rack_ok((self.rack_rank[hh] - c) % n, n, now - self.seen[c], pol.rack_grace_s, pol.rack_rescue_s)
 
-    def _usable(self, h: np.ndarray, cols: np.ndarray, flat: np.ndarray, now: float) -> np.ndarray:
-        """How many of each host's live neighbours it may ask for each chunk: its own rack's holders,
-        and other racks' only where it may pull across (SwarmPolicy's ranking count)."""
-        cnt = np.take(self.nb_cnt.reshape(-1), flat)
-        far = np.take(self.nb_far.reshape(-1), flat)
-        blocked = far > 0
-        if blocked.any():
-            r, k = np.nonzero(blocked)
-            blocked[r, k] = ~self._cross_ok(h[r], cols[r, k], now)
-            cnt = cnt - np.where(blocked, far, 0)
+    def _usable(self, h: np.ndarray, lo: np.ndarray, width: int, now: float) -> np.ndarray:
+        """How many of each host's live neighbours it may ask for each chunk of its window (``lo`` on):
+        its own rack's holders, and other racks' only where it may pull across (SwarmPolicy's ranking
+        count)."""
+        cnt = window_rows(self.nb_cnt, h, lo, width)
+        far = window_rows(self.nb_far, h, lo, width)
+        if far.any():
+            # SwarmPolicy._cross_ok for the whole (host, chunk) window: the per-chunk half once per
+            # chunk, the distances from each chunk's importer as one integer matrix
+            pol, one_row = self.cfg.policy, np.zeros(len(h), np.int64)
+            backup, reach = import_reach(now - self.seen, pol.rack_grace_s, pol.rack_rescue_s)
+            n = self.rack_size[h].astype(np.int32)
+            dist = ((self.rack_rank[h] - lo) % n).astype(np.int32)[:, None] - np.arange(width, dtype=np.int32)
+            dist %= n[:, None]
+            ok = reach_ok(dist, n[:, None], window_rows(backup[None, :], one_row, lo, width),
+                          window_rows(reach[None, :], one_row, lo, width))
+            cnt = cnt - np.where(ok, 0, far)
         return cnt
 
     def _pick_source(self, h: np.ndarray, holds: np.ndarray, now: float) -> tuple[np.ndarray, np.ndarray]:
@@ -274,23 +282,23 @@ class FleetSim:
         self.per_peer[h, k] += 1
 
     def _request(self, now: float, replan: bool) -> None:
-        N, C, W, D = self.N, self.C, self.W, self.D
+        N, W, D = self.N, self.W, self.D
         K = self.K
         hosts = np.flatnonzero(self.alive[:N] & np.isnan(self.done_at) & (self.n_down < D))
         if len(hosts) == 0:
             return
-        have_flat, known_flat, pend_flat = self.have.reshape(-1), self.known.reshape(-1), self.pend.reshape(-1)
+        known_flat = self.known.reshape(-1)
         # only the columns below the announced front can hold anything a host may ask for (nobody
         # is known to hold the rest): the same ranking as over the whole window, on less of it
-        ar_w = np.arange(int(np.clip((self.front - self.lo[hosts]).max(), 1, W)))
+        w = int(np.clip((self.front - self.lo[hosts]).max(), 1, W))
+        ar_w = np.arange(w)
         # rank afresh after bitmap pushes (the only time holder counts change) or when a list ran dry
         stale = hosts if replan else hosts[self.plan_ptr[hosts] >= K]
         if len(stale):
-            cols = self.lo[stale][:, None] + ar_w
-            flat = stale[:, None] * (C + W) + cols
+            lo = self.lo[stale]
             cand, ok = rank_window(
-                ~np.take(have_flat, flat) & ~np.take(pend_flat, flat), self._usable(stale, cols, flat, now),
-                cols, self.tb_a, self.tb_b[stale], K)
+                ~window_rows(self.have, stale, lo, w) & ~window_rows(self.pend, stale, lo, w),
+                self._usable(stale, lo, w, now), lo, self.tb_a, self.tb_b[stale], K)
             self.plan_ok[stale] = False
             self.plan[stale, :cand.shape[1]], self.plan_ok[stale, :cand.shape[1]] = cand, ok
             self.plan_ptr[stale] = 0
@@ -319,14 +327,13 @@ class FleetSim:
             h, k = h[found], k[found]
             if len(h) == 0:
                 break
-            s = self.nbr[h, k]
-            cols = self.lo[h][:, None] + ar_w
-            fh, fs = h[:, None] * (C + W) + cols, s[:, None] * (C + W) + cols
-            want = ~np.take(have_flat, fh) & ~np.take(pend_flat, fh) & np.take(known_flat, fs)
+            s, lo = self.nbr[h, k], self.lo[h]
+            want = (~window_rows(self.have, h, lo, w) & ~window_rows(self.pend, h, lo, w)
+                    & window_rows(self.known, s, lo, w))
             far = ~self.same_rack[h, k]
             if far.any():
-                want[far] &= self._cross_ok(h[far], cols[far], now)
-            cand, ok = rank_window(want, np.maximum(self._usable(h, cols, fh, now), 1), cols,
+                want[far] &= self._cross_ok(h[far], lo[far][:, None] + ar_w, now)
+            cand, ok = rank_window(want, np.maximum(self._usable(h, lo, w, now), 1), lo,
                                    self.tb_a, self.tb_b[h], 1)
             ok = ok[:, 0]
             if not ok.any():
