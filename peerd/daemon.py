@@ -13,7 +13,6 @@ from peerd import manifest as mf
 from peerd.config import PeerdConfig
 from peerd.conn_guard import ConnectionGuard
 from peerd import have_stream
-from peerd.have_stream import HaveLinks
 from peerd.http_input import bearer_headers
 from peerd.job import FetchJob
 from peerd.manifest_fetch import fetch_from_origin, pinned_document, verify_named, verify_pinned
@@ -45,7 +44,7 @@ class Daemon:
         self.addr = config.advertise or ""
         self.membership: Membership | None = None
         self.http: aiohttp.ClientSession | None = None
-        self.have_links = HaveLinks(self)
+        self.have_links = have_stream.HaveLinks(self)
         self._loops: list[asyncio.Task] = []
         self._wake = asyncio.Event()                 # something to push: a finished chunk, a new or finished job
         self._full_due = False                       # ... that every member should hear (a job started or finished)

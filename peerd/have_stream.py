@@ -102,6 +102,7 @@ class HaveLinks:
         self.links: dict[str, Link] = {}
         self.http_only: set[str] = set()     # members whose peerd has no HAVE stream (404 on upgrade)
         self.served: set[web.WebSocketResponse] = set()   # inbound links, closed on shutdown
+        self._closing: set[asyncio.Task] = set()           # closes in progress (a task nobody holds may vanish)
 
     def get(self, member) -> Link | None:
         """The link to ``member``; None when it speaks only HTTP gossip."""
@@ -122,6 +123,7 @@ class HaveLinks:
             if link.fresh:
                 link.ws = await d.http.ws_connect(f"{m.addr}{PATH}", headers=d.auth_headers(),
                                                   max_msg_size=MAX_GOSSIP_BYTES, autoping=True)
+                self.count()
             await link.ws.send_str(frame)
             async with asyncio.timeout(FRAME_TIMEOUT_S):
                 reply = await link.ws.receive()
@@ -145,7 +147,14 @@ class HaveLinks:
     def drop(self, member_id: str) -> None:
         link = self.links.pop(member_id, None)
         if link is not None and link.ws is not None and not link.ws.closed:
-            asyncio.ensure_future(link.ws.close())
+            t = asyncio.ensure_future(link.ws.close())
+            self._closing.add(t)
+            t.add_done_callback(self._closing.discard)
+        self.count()
+
+    def count(self) -> None:
+        self.d.metrics.have_links.labels("out").set(sum(1 for lk in self.links.values() if not lk.fresh))
+        self.d.metrics.have_links.labels("in").set(len(self.served))
 
     def close_idle(self, now: float) -> None:
         for mid in [mid for mid, link in self.links.items() if now - link.used > LINK_IDLE_S]:
@@ -167,6 +176,7 @@ async def serve(daemon, request: web.Request) -> web.WebSocketResponse:
     await ws.prepare(request)
     peer_id, cursor = None, NewsCursor()
     daemon.have_links.served.add(ws)
+    daemon.have_links.count()
     try:
         while True:
             msg = await ws.receive(timeout=SERVE_IDLE_S)
@@ -193,4 +203,5 @@ async def serve(daemon, request: web.Request) -> web.WebSocketResponse:
         log.debug("HAVE link from %s broke: %s", peer_id, e)
     finally:
         daemon.have_links.served.discard(ws)
+        daemon.have_links.count()
     return ws

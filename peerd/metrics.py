@@ -27,6 +27,7 @@ class PeerdMetrics:
                               ["direction"], registry=r)
         self.have_frames = Counter("peerd_have_frames_total", "Exchanges over HAVE streams (a subset of the gossip "
                                    "messages)", ["direction"], registry=r)
+        self.have_links = Gauge("peerd_have_links", "Open HAVE links", ["direction"], registry=r)
         self.busy = Counter("peerd_upload_busy_total", "Uploads refused with 503 (at max_uploads)", registry=r)
         self.quarantined = Gauge("peerd_quarantined_peers", "Peers quarantined for serving bad chunks", registry=r)
         self.peers_alive = Gauge("peerd_peers_alive", "Members currently considered alive", registry=r)

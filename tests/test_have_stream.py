@@ -68,7 +68,13 @@ async def test_a_link_answers_a_full_message_and_then_news(daemon):
         members = {m["id"]: m for m in (await c.status())["members"]}
         assert "p" in members and not members["p"]["dead"]   # the link's first message made 'p' a member
         assert await c.metric('peerd_have_frames_total{direction="received"}') == 2
+        assert await c.metric('peerd_have_links{direction="in"}') == 1
         await ws.close()
+        for _ in range(50):                                  # the daemon sees the close
+            if await c.metric('peerd_have_links{direction="in"}') == 0:
+                break
+            await asyncio.sleep(0.1)
+        assert await c.metric('peerd_have_links{direction="in"}') == 0
 
 
 async def test_a_frame_that_breaks_the_protocol_closes_the_link_with_the_reason(daemon):
