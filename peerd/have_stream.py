@@ -20,6 +20,7 @@ import time
 import aiohttp
 from aiohttp import web
 
+from peerd.http_input import BadInput, parse_json
 from peerd.wire import MAX_GOSSIP_BYTES, WireError, check_gossip, check_have
 
 log = logging.getLogger("peerd.have")
@@ -65,9 +66,9 @@ def absorb_frame(daemon, text: str, peer_id: str | None) -> tuple[str, bool]:
     sender's id and whether the frame was a full message. Raises WireError for a frame that breaks
     the protocol."""
     try:
-        body = json.loads(text)
-    except ValueError:
-        raise WireError("a HAVE frame must be a JSON object") from None
+        body = parse_json(text)          # the HTTP API's strict parser: no NaN, bounded nesting
+    except BadInput as e:
+        raise WireError(f"a HAVE frame must be a JSON object: {e}") from None
     if isinstance(body, dict) and "have" in body:
         if peer_id is None:
             raise WireError("a link's first frame must be a full gossip message (from, versions, peers, load)")
@@ -109,7 +110,10 @@ class HaveLinks:
         if member.id in self.http_only:
             return None
         link = self.links.get(member.id)
-        if link is None or link.member.addr != member.addr:
+        if link is not None and link.member.addr != member.addr:
+            self.drop(member.id)             # it moved: a link to the old address is of no use
+            link = None
+        if link is None:
             link = self.links[member.id] = Link(member)
         return link
 

@@ -31,13 +31,13 @@ def daemon(tmp_path, seaweed, keys):
 
 
 async def refused(addr: str, frames: list, reason: str) -> None:
-    """Open a link, send ``frames`` (dicts as JSON text, bytes as binary), expect the link closed by
+    """Open a link, send ``frames`` (dicts as JSON text, str as text, bytes as binary), expect the link closed by
     the daemon with 1008 and ``reason`` in the close message."""
     async with aiohttp.ClientSession() as s:
         ws = await s.ws_connect(addr + "/v1/have", headers=AUTH)
         msg = None
         for f in frames:
-            await (ws.send_bytes(f) if isinstance(f, bytes) else ws.send_json(f))
+            await (ws.send_bytes(f) if isinstance(f, bytes) else ws.send_str(f) if isinstance(f, str) else ws.send_json(f))
             msg = await asyncio.wait_for(ws.receive(), 10)
         assert msg.type == aiohttp.WSMsgType.CLOSE, (frames, msg)
         assert ws.close_code == POLICY_VIOLATION and reason in msg.extra, (ws.close_code, msg.extra)
@@ -85,9 +85,11 @@ async def test_a_frame_that_breaks_the_protocol_closes_the_link_with_the_reason(
     await refused(addr, [hello(), {"have": {"a" * 64: ["seven"]}, "load": 0}], "list of chunk ids")
     await refused(addr, [hello(), {"have": {}, "load": "half"}], "load")
     await refused(addr, [hello("p"), hello("q")], "belongs to p")
+    await refused(addr, ["[" * 100_000 + "]" * 100_000], "nested too deeply")
+    await refused(addr, [hello(), {"have": {}, "load": float("nan")}], "NaN")
     async with daemon.client("x") as c:
         assert (await c.status())["host"] == "x"         # the daemon is unharmed
-        assert await c.metric('peerd_have_frames_total{direction="received"}') == 3   # the valid hellos
+        assert await c.metric('peerd_have_frames_total{direction="received"}') == 4   # the valid hellos
 
 
 async def test_news_of_a_chunk_the_version_does_not_have_closes_the_link(tmp_path, seaweed, keys, signed, checkpoint):
