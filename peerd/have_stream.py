@@ -29,6 +29,7 @@ PATH = "/v1/have"
 FRAME_TIMEOUT_S = 3.0      # an exchange not answered in this long closes the link (as the HTTP push's timeout)
 LINK_IDLE_S = 30.0         # a link unused this long is closed: the swarm moved on
 SERVE_IDLE_S = 120.0       # the serving side closes a link silent this long (a client that vanished)
+RETRY_LINK_S = 300.0       # a peer that had no HAVE stream is offered a link again after this (upgraded since?)
 _POLICY_VIOLATION = 1008   # websocket close code for a frame that breaks the protocol (an HTTP 400's kin)
 
 
@@ -101,14 +102,17 @@ class HaveLinks:
     def __init__(self, daemon):
         self.d = daemon
         self.links: dict[str, Link] = {}
-        self.http_only: set[str] = set()     # members whose peerd has no HAVE stream (404 on upgrade)
+        self.http_only: dict[str, float] = {}   # members whose peerd had no HAVE stream (404), and since when
         self.served: set[web.WebSocketResponse] = set()   # inbound links, closed on shutdown
         self._closing: set[asyncio.Task] = set()           # closes in progress (a task nobody holds may vanish)
 
     def get(self, member) -> Link | None:
         """The link to ``member``; None when it speaks only HTTP gossip."""
-        if member.id in self.http_only:
-            return None
+        since = self.http_only.get(member.id)
+        if since is not None:
+            if time.monotonic() - since < RETRY_LINK_S:
+                return None
+            del self.http_only[member.id]
         link = self.links.get(member.id)
         if link is not None and link.member.addr != member.addr:
             self.drop(member.id)             # it moved: a link to the old address is of no use
@@ -139,7 +143,7 @@ class HaveLinks:
         except aiohttp.WSServerHandshakeError as e:
             self.drop(m.id)
             if e.status in (404, 405):
-                self.http_only.add(m.id)
+                self.http_only[m.id] = time.monotonic()
                 log.info("peer has no HAVE stream; gossiping over HTTP", extra={"peer": m.id})
                 await d.gossip_over_http(m, full_body)
             else:

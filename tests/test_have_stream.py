@@ -2,6 +2,7 @@
 breaks the protocol closes the link with the reason, never the daemon), and, towards a peer without
 them, the HTTP exchange instead."""
 import asyncio
+import time
 import uuid
 
 import aiohttp
@@ -9,11 +10,12 @@ import numpy as np
 import pytest
 from aiohttp import web
 
+from peerd.have_stream import RETRY_LINK_S, HaveLinks
+from peerd.membership import Member
 from peerd.wire import pack_bits
 from tests.fleet import TOKEN, Fleet, publish
 from weightcast.stack.ports import free_ports
 
-pytestmark = pytest.mark.asyncio
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 POLICY_VIOLATION = 1008
 
@@ -147,3 +149,15 @@ async def test_a_peer_without_have_links_is_pushed_to_over_http(tmp_path, seawee
     finally:
         fleet.stop()
         await runner.cleanup()
+
+
+def test_a_peer_without_links_is_offered_one_again_later():
+    """A peer that answered the upgrade with 404 gets HTTP pushes, and after RETRY_LINK_S a link again
+    (it may have been upgraded since)."""
+    links = HaveLinks(daemon=None)
+    old = Member("old", "http://127.0.0.1:1", "")
+    links.http_only["old"] = time.monotonic()
+    assert links.get(old) is None
+    links.http_only["old"] = time.monotonic() - RETRY_LINK_S - 1
+    link = links.get(old)
+    assert link is not None and link.fresh and "old" not in links.http_only
