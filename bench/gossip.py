@@ -21,6 +21,7 @@ import asyncio
 import json
 import resource
 import secrets
+import shutil
 import statistics
 import tempfile
 from pathlib import Path
@@ -32,7 +33,7 @@ from peerd.signing import generate_keypair
 from weightcast.stack.peerd_proc import PeerdProc
 from weightcast.stack.ports import free_ports
 
-ROUND_DEADLINE_S = 120.0
+ROUND_DEADLINE_S = 120.0      # every wait: a hung peerd fails the bench instead of holding it
 
 
 def _self_cpu() -> float:
@@ -76,12 +77,13 @@ async def run_gossip_bench(exchanges: int = 3000, rounds: int = 2, peers: int = 
                 for _ in range(n // peers):
                     await asyncio.gather(*(one(i) for i in range(peers)))
 
-            links = []
-            for i in range(peers):      # open every link with its full message (not timed)
+            async def open_link(i: int) -> aiohttp.ClientWebSocketResponse:
                 ws = await s.ws_connect(proc.addr + "/v1/have")
                 await ws.send_str(bodies[i].decode())
                 await ws.receive_json()
-                links.append(ws)
+                return ws
+            # every link opened with its full message (not timed: a link lives for the whole download)
+            links = await asyncio.wait_for(asyncio.gather(*(open_link(i) for i in range(peers))), ROUND_DEADLINE_S)
 
             async def have_round(n: int) -> None:
                 async def one(ws) -> None:
@@ -92,8 +94,8 @@ async def run_gossip_bench(exchanges: int = 3000, rounds: int = 2, peers: int = 
                 for _ in range(n // peers):
                     await asyncio.gather(*(one(ws) for ws in links))
 
-            await http_round(peers * 10)            # warm both paths
-            await have_round(peers * 10)
+            await _timed(http_round, peers * 10, proc.proc.pid)     # warm both paths (not reported)
+            await _timed(have_round, peers * 10, proc.proc.pid)
             n = max(peers, exchanges // peers * peers)
             runs: dict[str, list[tuple[float, float]]] = {"http": [], "have": []}
             for _ in range(rounds):
@@ -112,3 +114,4 @@ async def run_gossip_bench(exchanges: int = 3000, rounds: int = 2, peers: int = 
         return out
     finally:
         proc.stop()
+        shutil.rmtree(work, ignore_errors=True)

@@ -27,11 +27,15 @@ def window_rows(a: np.ndarray, rows: np.ndarray, lo: np.ndarray, width: int) -> 
     return sliding_window_view(a, width, axis=1)[rows, lo]
 
 
+def window_of(v: np.ndarray, lo: np.ndarray, width: int) -> np.ndarray:
+    """``v[lo[i]:lo[i] + width]`` for every i: one vector read at many offsets, the same way."""
+    return sliding_window_view(v, width)[lo]
+
+
 def tiebreak_rows(table: np.ndarray, offset: np.ndarray, lo: np.ndarray, width: int) -> np.ndarray:
     """Each row's random order over the chunk ids ``lo[i] .. lo[i] + width``: the shared table read
     at the row's offset, ``table[(c + offset[i]) mod _T]``."""
-    ext = table[np.arange(_T + width) & (_T - 1)]
-    return window_rows(ext[None, :], np.zeros(len(lo), np.int64), (lo + offset) & (_T - 1), width)
+    return window_of(table[np.arange(_T + width) & (_T - 1)], (lo + offset) & (_T - 1), width)
 
 
 def rarity_key(holders: np.ndarray, lo: np.ndarray, table: np.ndarray, offset: np.ndarray) -> np.ndarray:

@@ -287,7 +287,7 @@ class Daemon:
         for m in targets:
             link = self.have_links.get(m) if self.config.have_stream and m.id in active else None
             if link is not None and not (full or link.fresh):
-                out.append(self.have_links.exchange(link, have_stream.news_frame(self, link.cursor), b""))
+                out.append(self.have_links.exchange(link, have_stream.news_frame(self, link.cursor), full=False))
                 continue
             if body is None:          # hearsay rides on full rounds only
                 body = json.dumps(self.gossip_message(hearsay=full))
@@ -295,7 +295,7 @@ class Daemon:
                 out.append(self.gossip_over_http(m, body.encode()))
             else:
                 link.cursor.told_all(self.store)
-                out.append(self.have_links.exchange(link, body, body.encode()))
+                out.append(self.have_links.exchange(link, body, full=True))
         return out
 
     def _serving_others(self):

@@ -1,10 +1,10 @@
 """HAVE streams: one persistent, authenticated websocket per peer in the active swarm.
 
 While a host downloads, it tells every active peer about each chunk it verifies (every hop of every
-chunk waits for that news). As an HTTP POST that exchange cost ~0.17 ms of aiohttp CPU plus a full
-gossip message each way (docs/peerd.md, "HAVE streams"); over a link it is two small frames: the
-sender's *news* (the chunk ids it verified since its last frame on this link, and its upload load)
-and the receiver's reply (the same, from its side). A link opens with full gossip messages both ways
+chunk waits for that news). As an HTTP POST with a full gossip message each way that exchange costs
+about three times the CPU it costs on a link (`weightcast bench gossip`; docs/peerd.md, "HAVE
+links"), where it is two small frames: the sender's *news* (the chunk ids it verified since its last
+frame on this link, and its upload load) and the receiver's reply (the same, from its side). A link opens with full gossip messages both ways
 and carries one again on every full gossip round, which also repairs what news cannot say (a chunk
 withdrawn as corrupt on disk). Frames are JSON text: a full message is exactly ``POST /v1/gossip``'s
 body; news is ``{"have": {vid: [chunk, ...]}, "load": x}``. A peer that does not offer ``/v1/have``
@@ -121,17 +121,21 @@ class HaveLinks:
             link = self.links[member.id] = Link(member)
         return link
 
-    async def exchange(self, link: Link, frame: str, full_body: bytes) -> None:
-        """Send one frame and absorb the reply. On a link that cannot open because the member has no
-        HAVE stream, falls back to the HTTP exchange with ``full_body``; any other failure closes the
-        link (the next round opens a fresh one, starting with a full message)."""
+    async def exchange(self, link: Link, frame: str, full: bool) -> None:
+        """Send one frame (``full``: a full gossip message, else news) and absorb the reply. A link
+        opens only to carry a full message; when it cannot open because the member has no HAVE
+        stream, that message goes as an HTTP exchange instead. Any other failure closes the link (the
+        next round opens a fresh one, starting with a full message)."""
         d, m = self.d, link.member
         link.used = time.monotonic()
+        if link.fresh and not full:      # it closed since the round was planned: news would start it wrong
+            self.drop(m.id)
+            return
         try:
             if link.fresh:
                 link.ws = await d.http.ws_connect(f"{m.addr}{PATH}", headers=d.auth_headers(),
                                                   max_msg_size=MAX_GOSSIP_BYTES, autoping=True)
-                self.count()
+                self.set_gauges()
             await link.ws.send_str(frame)
             async with asyncio.timeout(FRAME_TIMEOUT_S):
                 reply = await link.ws.receive()
@@ -145,7 +149,7 @@ class HaveLinks:
             if e.status in (404, 405):
                 self.http_only[m.id] = time.monotonic()
                 log.info("peer has no HAVE stream; gossiping over HTTP", extra={"peer": m.id})
-                await d.gossip_over_http(m, full_body)
+                await d.gossip_over_http(m, frame.encode())
             else:
                 log.info("HAVE link refused", extra={"peer": m.id, "status": e.status})
         except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, WireError) as e:
@@ -158,9 +162,9 @@ class HaveLinks:
             t = asyncio.ensure_future(link.ws.close())
             self._closing.add(t)
             t.add_done_callback(self._closing.discard)
-        self.count()
+        self.set_gauges()
 
-    def count(self) -> None:
+    def set_gauges(self) -> None:
         self.d.metrics.have_links.labels("out").set(sum(1 for lk in self.links.values() if not lk.fresh))
         self.d.metrics.have_links.labels("in").set(len(self.served))
 
@@ -184,7 +188,7 @@ async def serve(daemon, request: web.Request) -> web.WebSocketResponse:
     await ws.prepare(request)
     peer_id, cursor = None, NewsCursor()
     daemon.have_links.served.add(ws)
-    daemon.have_links.count()
+    daemon.have_links.set_gauges()
     try:
         while True:
             msg = await ws.receive(timeout=SERVE_IDLE_S)
@@ -211,5 +215,5 @@ async def serve(daemon, request: web.Request) -> web.WebSocketResponse:
         log.debug("HAVE link from %s broke: %s", peer_id, e)
     finally:
         daemon.have_links.served.discard(ws)
-        daemon.have_links.count()
+        daemon.have_links.set_gauges()
     return ws

@@ -1,5 +1,6 @@
 """The benchmark and simulator commands through the CLI, at toy sizes (numbers are not asserted)."""
 import json
+import tempfile
 
 from weightcast.cli import main
 
@@ -165,8 +166,10 @@ def test_bench_receive_compares_both_receive_paths(capsys):
     assert r["protocol_over_aiohttp_cpu"] > 0
 
 
-def test_bench_gossip_times_both_push_transports_against_a_real_peerd(capsys):
+def test_bench_gossip_times_both_push_transports_against_a_real_peerd(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     assert main(["bench", "gossip", "--exchanges", "150", "--rounds", "2", "--peers", "5", "--json"]) == 0
+    assert list(tmp_path.iterdir()) == []                    # its peerd's store and key are gone
     r = json.loads(capsys.readouterr().out)
     assert r["exchanges_per_round"] == 150
     for way in ("http", "have"):

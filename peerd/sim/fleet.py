@@ -28,7 +28,7 @@ from dataclasses import asdict
 import numpy as np
 
 from peerd.choice import (cross_rack_ok, import_reach, origin_order, origin_owner, rank_window, reach_ok,
-                          source_scores, tiebreak_params, window_rows)
+                          source_scores, tiebreak_params, window_of, window_rows)
 from peerd.sim.config import SimConfig, analytic_baselines
 from peerd.sim.fluid import rates_with_priority, scale_to_caps
 from peerd.sim.topology import build
@@ -236,13 +236,12 @@ class FleetSim:
         if far.any():
             # SwarmPolicy._cross_ok for the whole (host, chunk) window: the per-chunk half once per
             # chunk, the distances from each chunk's importer as one integer matrix
-            pol, one_row = self.cfg.policy, np.zeros(len(h), np.int64)
+            pol = self.cfg.policy
             backup, reach = import_reach(now - self.seen, pol.rack_grace_s, pol.rack_rescue_s)
             n = self.rack_size[h].astype(np.int32)
             dist = ((self.rack_rank[h] - lo) % n).astype(np.int32)[:, None] - np.arange(width, dtype=np.int32)
             dist %= n[:, None]
-            ok = reach_ok(dist, n[:, None], window_rows(backup[None, :], one_row, lo, width),
-                          window_rows(reach[None, :], one_row, lo, width))
+            ok = reach_ok(dist, n[:, None], window_of(backup, lo, width), window_of(reach, lo, width))
             cnt = cnt - np.where(ok, 0, far)
         return cnt
 
