@@ -113,29 +113,3 @@ def test_the_simulator_agrees_with_the_policy_objects(scenario):
     assert policies["survivors"] == fleet["survivors"]
     assert abs(fleet["ratio"] - policies["ratio"]) <= AGREE, (fleet["ratio"], policies["ratio"])
     assert abs(fleet["origin_copies"] - policies["origin_copies"]) <= 0.05
-
-
-def test_the_window_count_of_usable_holders_is_the_per_cell_rule():
-    """The fleet driver counts usable holders for a whole (host, chunk) window at once; mid-run, with
-    racks, deaths and chunks old enough for the backup and the rescue widening, it equals
-    SwarmPolicy's rule applied cell by cell (``_cross_ok`` per host and chunk)."""
-    sim = FleetSim(SimConfig(hosts=120, size=300 * CHUNK, racks=4, fail_fraction=0.1, seed=5,
-                             origin_rate=10e9 / 8 / 4))       # a slow origin: chunks age in the windows
-    pol = sim.cfg.policy
-    remote = backup = rescue = 0
-    while sim.remaining and sim.step < 1500:
-        now = sim.advance()
-        if sim.step % 50:
-            continue
-        hosts = np.flatnonzero(sim.alive[:sim.N] & np.isnan(sim.done_at))
-        lo, w = sim.lo[hosts], 40
-        got = sim._usable(hosts, lo, w, now)
-        cols = lo[:, None] + np.arange(w)
-        far = sim.nb_far[hosts[:, None], cols]
-        ok = sim._cross_ok(hosts, cols, now)
-        assert (got == sim.nb_cnt[hosts[:, None], cols] - np.where(ok, 0, far)).all()
-        age = now - sim.seen[cols]
-        remote += int((far > 0).sum())
-        backup += int(((far > 0) & (age >= pol.rack_grace_s)).sum())
-        rescue += int(((far > 0) & (age >= pol.rack_rescue_s)).sum())
-    assert remote > 1000 and backup > 100 and rescue > 100, (remote, backup, rescue)

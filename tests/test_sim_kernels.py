@@ -1,0 +1,101 @@
+"""The simulator's compiled loops (``peerd/sim/kernels.py``) decide as ``peerd/choice.py``'s numpy
+rules do, cell by cell, on a fleet mid-run: racks, deaths, loads, back-offs, and chunks old enough
+for the backup importer and the rescue widening."""
+import numpy as np
+import pytest
+
+from peerd.choice import rank_window, source_scores
+from peerd.sim import kernels
+from peerd.sim.config import SimConfig
+from peerd.sim.fleet import FleetSim
+
+CHUNK = 64 * 2**20
+W = 40                      # a window narrow enough that the plans are full and the edge matters
+
+
+def states():
+    """A 120-host, 4-rack fleet with a slow origin (chunks age in the windows), every 50 steps."""
+    sim = FleetSim(SimConfig(hosts=120, size=300 * CHUNK, racks=4, fail_fraction=0.1, seed=5,
+                             origin_rate=10e9 / 8 / 4))
+    while sim.remaining and sim.step < 1500:
+        now = sim.advance()
+        if sim.step % 50 == 0:
+            yield sim, now, np.flatnonzero(sim.alive[:sim.N] & np.isnan(sim.done_at))
+
+
+def per_cell_usable(sim, hosts, cols, now):
+    """SwarmPolicy's ranking count, cell by cell: rack-local holders, others' only where
+    ``choice.cross_rack_ok`` allows."""
+    ok = sim._cross_ok(hosts, cols, now)
+    return sim.nb_cnt[hosts[:, None], cols] - np.where(ok, 0, sim.nb_far[hosts[:, None], cols]), ok
+
+
+def test_plans_are_rank_window_over_the_per_cell_rule():
+    remote = backup = rescue = ranked = 0
+    pol = None
+    for sim, now, hosts in states():
+        pol = sim.cfg.policy
+        lo = sim.lo[hosts]
+        cols = lo[:, None] + np.arange(W)
+        usable, _ = per_cell_usable(sim, hosts, cols, now)
+        want = ~sim.have[hosts[:, None], cols] & ~sim.pend[hosts[:, None], cols]
+        cand, ok = rank_window(want, usable, lo, sim.tb_a, sim.tb_b[hosts], sim.K)
+        plan, plan_ok = np.zeros_like(sim.plan), np.zeros_like(sim.plan_ok)
+        kernels.rank_plans(hosts, lo, W, sim.miss, sim.miss_n, sim.have, sim.pend, sim.nb_cnt, sim.nb_far,
+                           sim.rack_rank, sim.rack_size, *sim._reach(now), sim.tb_a, sim.tb_b, plan, plan_ok)
+        assert (plan_ok[hosts] == ok).all()
+        assert (plan[hosts][ok] == cand[ok]).all()
+        ranked += int(ok.sum())
+        far = sim.nb_far[hosts[:, None], cols] > 0
+        age = now - sim.seen[cols]
+        remote += int(far.sum())
+        backup += int((far & (age >= pol.rack_grace_s)).sum())
+        rescue += int((far & (age >= pol.rack_rescue_s)).sum())
+    assert ranked > 1000 and remote > 1000 and backup > 100 and rescue > 100, (ranked, remote, backup, rescue)
+
+
+def test_the_rarest_chunk_a_peer_offers_is_rank_window_over_its_holdings():
+    found = 0
+    for sim, now, alive in states():
+        for j in range(0, sim.nbr.shape[1], 4):
+            peers = sim.nbr[alive, j]
+            hosts, peers = alive[peers < sim.N], peers[peers < sim.N]
+            far = sim.rack[peers] != sim.rack[hosts]
+            lo = sim.lo[hosts]
+            cols = lo[:, None] + np.arange(W)
+            usable, cross = per_cell_usable(sim, hosts, cols, now)
+            want = (~sim.have[hosts[:, None], cols] & ~sim.pend[hosts[:, None], cols]
+                    & sim.known[peers[:, None], cols] & (cross | ~far[:, None]))
+            cand, ok = rank_window(want, np.maximum(usable, 1), lo, sim.tb_a, sim.tb_b[hosts], 1)
+            out = np.empty(len(hosts), np.int64)
+            kernels.rarest_offered(hosts, peers, far, lo, W, sim.miss, sim.miss_n, sim.have, sim.pend, sim.known,
+                                   sim.nb_cnt, sim.nb_far, sim.rack_rank, sim.rack_size, *sim._reach(now),
+                                   sim.tb_a, sim.tb_b, out)
+            assert (out == np.where(ok[:, 0], cand[:, 0], -1)).all()
+            found += int(ok.sum())
+    assert found > 500, found
+
+
+@pytest.mark.parametrize("for_chunk", [True, False], ids=["holders-of-a-chunk", "any-peer"])
+def test_sources_are_picked_by_source_scores_with_the_same_random_draws(for_chunk):
+    picked = 0
+    for sim, now, hosts in states():
+        pol = sim.cfg.policy
+        c = sim.plan[hosts, 0] if for_chunk else np.zeros(0, np.int64)
+        peers = sim.nbr[hosts]
+        holds = ~sim.believed_dead[peers] & (sim.backoff[hosts] <= now) & (sim.load[peers] < 1.0) & (
+            sim.per_peer[hosts] < pol.max_per_peer)
+        if for_chunk:
+            holds &= sim.known[peers, c[:, None]] & (sim.same_rack[hosts] | sim._cross_ok(hosts, c, now)[:, None])
+        seed = sim.step
+        score = source_scores(holds, sim.same_rack[hosts], sim.per_peer[hosts], np.random.default_rng(seed),
+                              0.74 * (1.0 - np.minimum(sim.load[peers], 1.0)))
+        k_np = np.argmax(score, axis=1)
+        k, got = np.zeros(len(hosts), np.int64), np.zeros(len(hosts), bool)
+        kernels.pick_sources(hosts, c, sim.nbr, sim.known, sim.same_rack, sim.rack_rank, sim.rack_size,
+                             *sim._reach(now), sim.believed_dead, sim.backoff, sim.per_peer, sim.load, now,
+                             pol.max_per_peer, np.random.default_rng(seed), k, got)
+        assert (got == holds[np.arange(len(hosts)), k_np]).all()
+        assert (k[got] == k_np[got]).all()
+        picked += int(got.sum())
+    assert picked > 500, picked
