@@ -10,7 +10,7 @@ from peerd.choice import origin_owner
 from peerd.config import PeerdConfig
 from peerd.policy import PolicyConfig
 from peerd.sim.config import SimConfig, analytic_baselines
-from peerd.sim.fleet import FleetSim, simulate
+from peerd.sim.fleet import simulate
 from peerd.sim.policies import simulate_policies
 from peerd.sim.topology import build
 

@@ -44,9 +44,6 @@ class _Flows:
         self.left = np.zeros((n, slots))
         self.nk = np.zeros((n, slots), np.int64)
 
-    def free_slot(self, hosts: np.ndarray, first: int, last: int) -> np.ndarray:
-        """The first free slot in ``[first, last)`` for each host (they must have one)."""
-        return first + np.argmax(self.src[hosts, first:last] < 0, axis=1)
 
 
 class FleetSim:
@@ -123,6 +120,7 @@ class FleetSim:
         self.front = 0                                 # 1 + the highest chunk id ever announced
         self.miss = np.zeros((N, 2 * W), np.int64)     # chunk ids below the front each host lacks
         self.miss_n = np.zeros(N, np.int64)            # (kernels.add_missing)
+        self._reach_at: tuple = (math.nan, None)
 
     # ------------------------------------------------------------------ the run
     def run(self, progress=None) -> dict:
@@ -232,9 +230,12 @@ class FleetSim:
         return cross_rack_ok((self.rack_rank[hh] - c) % n, n, now - self.seen[c], pol.rack_grace_s, pol.rack_rescue_s)
 
     def _reach(self, now: float) -> tuple[np.ndarray, np.ndarray]:
-        """``choice.import_reach`` for every chunk now: the per-chunk half of the cross-rack rule."""
-        pol = self.cfg.policy
-        return import_reach(now - self.seen, pol.rack_grace_s, pol.rack_rescue_s)
+        """``choice.import_reach`` for every chunk now: the per-chunk half of the cross-rack rule
+        (kept until the time or ``seen`` changes)."""
+        if self._reach_at[0] != now:
+            pol = self.cfg.policy
+            self._reach_at = (now, import_reach(now - self.seen, pol.rack_grace_s, pol.rack_rescue_s))
+        return self._reach_at[1]
 
     def _rank(self, rows: np.ndarray, width: int, now: float) -> None:
         """Re-plan these hosts: the rarest chunks of each one's window by usable holders."""
@@ -254,27 +255,11 @@ class FleetSim:
         return k, found
 
     def _ask(self, h: np.ndarray, c: np.ndarray, k: np.ndarray, now: float) -> None:
-        """Requests (host, chunk, neighbour position), at most one per host. A dead neighbour's
-        connection fails; an uploader takes as many as it has free slots, in random order, and the
-        rest hear busy."""
+        """Host ``h[i]`` asks its neighbour ``k[i]`` for chunk ``c[i]`` (``kernels.ask``)."""
         fl, pol = self.fl, self.cfg.policy
-        s = self.nbr[h, k]
-        dead = ~self.alive[s]
-        self.backoff[h[dead], k[dead]] = now + pol.backoff_s
-        h, c, k, s = h[~dead], c[~dead], k[~dead], s[~dead]
-        order = np.lexsort((self.nrng.random(len(s)), s))
-        h, c, k, s = h[order], c[order], k[order], s[order]
-        first_of = np.searchsorted(s, s, side="left")
-        take = (np.arange(len(s)) - first_of) < (self.cfg.max_uploads - self.n_up[s])
-        self.backoff[h[~take], k[~take]] = now + pol.busy_backoff_s
-        h, c, k, s = h[take], c[take], k[take], s[take]
-        slot = fl.free_slot(h, 0, self.D)
-        fl.src[h, slot], fl.chunk[h, slot], fl.left[h, slot], fl.nk[h, slot] = s, c, 1.0 - self.carry[h], k
-        self.carry[h] = 0
-        self.pend[h, c] = True
-        self.n_up[:self.N] += np.bincount(s, minlength=self.N)
-        self.n_down[h] += 1
-        self.per_peer[h, k] += 1
+        kernels.ask(h, c, k, now, self.nbr, self.alive, self.cfg.max_uploads, pol.backoff_s, pol.busy_backoff_s,
+                    self.nrng, self.n_up, self.backoff, fl.src, fl.chunk, fl.left, fl.nk, self.carry, self.pend,
+                    self.n_down, self.per_peer)
 
     def _request(self, now: float, replan: bool) -> None:
         N, W, D = self.N, self.W, self.D
@@ -290,16 +275,12 @@ class FleetSim:
         if len(stale):
             self._rank(stale, w, now)
         for _ in range(self.cfg.request_rounds):
-            h = hosts[(self.n_down[hosts] < D) & (self.plan_ptr[hosts] < K)]
-            h = h[self.plan_ok[h, self.plan_ptr[h]]]
-            if len(h) == 0:
+            # asked, busy or no ready holder: each host is past this entry after the round
+            h, c, tried = kernels.next_entries(hosts, self.n_down, D, self.plan, self.plan_ok, self.plan_ptr,
+                                               self.have, self.pend)
+            if tried == 0:
                 break
-            c = self.plan[h, self.plan_ptr[h]]
-            gone = self.pend[h, c] | self.have[h, c]
-            self.plan_ptr[h[gone]] += 1
-            h, c = h[~gone], c[~gone]
             k, found = self._pick_source(h, c, now)
-            self.plan_ptr[h] += 1                      # asked, busy or no ready holder: the next entry
             if found.any():
                 self._ask(h[found], c[found], k[found], now)
         # the rarest chunks' holders are all busy: ask an idle neighbour for the rarest chunk it
@@ -388,6 +369,7 @@ class FleetSim:
         self.known[h, c] = True
         self._front_to(int(c.max()) + 1)
         np.minimum.at(self.seen, c, now)
+        self._reach_at = (math.nan, None)
         kernels.count_announced(h, c, self.nbr, self.same_rack, self.believed_dead, self.N, self.nb_cnt, self.nb_far)
 
     # ------------------------------------------------------------------ bookkeeping
@@ -406,15 +388,8 @@ class FleetSim:
         self.front = front
 
     def _end_flows(self, hs: np.ndarray, ks: np.ndarray) -> None:
-        fl, N, D = self.fl, self.N, self.D
-        s = fl.src[hs, ks]
-        self.n_up[:] -= np.bincount(s, minlength=N + 2)
-        peer = ks < D
-        self.n_down[:] -= np.bincount(hs[peer], minlength=N)
-        pp = self.per_peer.ravel()                     # a view: update in place
-        pp -= np.bincount(hs[peer] * self.per_peer.shape[1] + fl.nk[hs[peer], ks[peer]],
-                          minlength=len(pp)).astype(pp.dtype)
-        fl.src[hs, ks] = -1
+        fl = self.fl
+        kernels.end_flows(hs, ks, self.D, fl.src, fl.nk, self.n_up, self.n_down, self.per_peer)
 
     def _advance_lo(self, hs: np.ndarray) -> None:
         ar_w = np.arange(self.W)

@@ -56,6 +56,7 @@ def scale_to_caps(r: np.ndarray, links: list[tuple[np.ndarray, np.ndarray]]) -> 
     return r * f
 
 
+@njit(cache=True)
 def rates_with_priority(src: np.ndarray, dst: np.ndarray, up_cap: np.ndarray, down_cap: np.ndarray,
                         first: np.ndarray) -> np.ndarray:
     """Fair shares where the ``first`` flows are served before the rest on their downloader's link:

@@ -12,7 +12,7 @@ Only the simulator imports this module: peerd itself never loads numba.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from peerd import choice
 
@@ -66,7 +66,7 @@ def drop_held(rows, miss, miss_n, have):
         miss_n[h] = n
 
 
-@njit(cache=True)
+@njit(cache=True, parallel=True)
 def rank_plans(rows, lo, width, miss, miss_n, have, pend, nb_cnt, nb_far, rack_rank, rack_size, backup, reach,
                table, offset, plan, plan_ok):
     """``choice.rank_window`` over each row's window ``lo[i] .. lo[i] + width`` with the usable-holder
@@ -75,11 +75,11 @@ def rank_plans(rows, lo, width, miss, miss_n, have, pend, nb_cnt, nb_far, rack_r
     window's other cells are held, and keys are unique within a window, so the plan is the one a scan
     of the whole window gives."""
     k = plan.shape[1]
-    keys = np.empty(k, np.int64)
-    ids = np.empty(k, np.int64)
-    for i in range(len(rows)):
+    for i in prange(len(rows)):
         h, start = rows[i], lo[i]
         rank, n, off = rack_rank[h], rack_size[h], offset[h]
+        keys = np.empty(k, np.int64)
+        ids = np.empty(k, np.int64)
         m = 0
         kept = 0
         for j in range(miss_n[h]):
@@ -112,13 +112,13 @@ def rank_plans(rows, lo, width, miss, miss_n, have, pend, nb_cnt, nb_far, rack_r
                 plan[h, j] = ids[j]
 
 
-@njit(cache=True)
+@njit(cache=True, parallel=True)
 def rarest_offered(rows, peers, far, lo, width, miss, miss_n, have, pend, known, nb_cnt, nb_far, rack_rank,
                    rack_size, backup, reach, table, offset, out):
     """SwarmPolicy._peer_first: for each row, the rarest chunk of its window that peer ``peers[i]`` is
     known to hold and the host wants (across racks only where it may pull), ranked by usable holders
     (at least one: the peer itself); -1 where there is none."""
-    for i in range(len(rows)):
+    for i in prange(len(rows)):
         h, s, start = rows[i], peers[i], lo[i]
         rank, n, off = rack_rank[h], rack_size[h], offset[h]
         best, best_c = _NONE, -1
@@ -135,7 +135,7 @@ def rarest_offered(rows, peers, far, lo, width, miss, miss_n, have, pend, known,
         out[i] = best_c
 
 
-@njit(cache=True)
+@njit(cache=True, parallel=True)
 def pick_sources(rows, chunks, nbr, known, same_rack, rack_rank, rack_size, backup, reach, believed_dead,
                  backoff, per_peer, load, now, max_per_peer, rng, k_out, found_out):
     """For each row, the neighbour it would ask now (SwarmPolicy._choose_source): among the live, not
@@ -145,7 +145,7 @@ def pick_sources(rows, chunks, nbr, known, same_rack, rack_rank, rack_size, back
     width = nbr.shape[1]
     any_chunk = len(chunks) == 0
     u = rng.random(len(rows) * width, dtype=np.float32)
-    for i in range(len(rows)):
+    for i in prange(len(rows)):
         h = rows[i]
         cross = True
         if not any_chunk:
@@ -168,18 +168,103 @@ def pick_sources(rows, chunks, nbr, known, same_rack, rack_rank, rack_size, back
         found_out[i] = best > -np.inf
 
 
-@njit(cache=True)
+@njit(cache=True, parallel=True)
 def count_announced(hosts, chunks, nbr, same_rack, believed_dead, n_hosts, nb_cnt, nb_far):
     """Bitmap pushes reach the neighbours: each (host, chunk) adds one known holder to every live
-    neighbour's count (and to its other-rack count where the host is in another rack)."""
+    neighbour's count (and to its other-rack count where the host is in another rack). Counted per
+    receiving row, in parallel, over the announcements grouped by host: the neighbour graph is
+    symmetric (``topology.build``), so a row's announcers are its own neighbours."""
+    start = np.zeros(n_hosts + 1, np.int64)
+    for h in hosts:
+        start[h + 1] += 1
+    start = np.cumsum(start)
+    fill = start[:-1].copy()
+    by_host = np.empty(len(hosts), np.int64)
     for i in range(len(hosts)):
-        h, c = hosts[i], chunks[i]
-        if believed_dead[h]:
-            continue
+        by_host[fill[hosts[i]]] = chunks[i]
+        fill[hosts[i]] += 1
+    for r in prange(n_hosts):
         for j in range(nbr.shape[1]):
-            r = nbr[h, j]
-            if r >= n_hosts:
+            h = nbr[r, j]
+            if h >= n_hosts or believed_dead[h]:
                 continue
-            nb_cnt[r, c] += 1
-            if not same_rack[h, j]:
-                nb_far[r, c] += 1
+            for i in range(start[h], start[h + 1]):
+                nb_cnt[r, by_host[i]] += 1
+                if not same_rack[r, j]:
+                    nb_far[r, by_host[i]] += 1
+
+
+@njit(cache=True)
+def ask(h, c, k, now, nbr, alive, max_uploads, backoff_s, busy_backoff_s, rng, n_up, backoff, src, chunk, left,
+        nk, carry, pend, n_down, per_peer):
+    """Requests (host ``h[i]`` asks neighbour position ``k[i]`` for chunk ``c[i]``), at most one per
+    host. A dead neighbour's connection fails (back-off ``backoff_s``); an uploader takes as many as
+    it has free upload slots, in random order, and the rest hear busy (``busy_backoff_s``). A taken
+    request starts in the host's first free slot with the share its last flow left over."""
+    s = np.empty(len(h), np.int64)
+    live = np.empty(len(h), np.bool_)
+    for i in range(len(h)):
+        s[i] = nbr[h[i], k[i]]
+        live[i] = alive[s[i]]
+        if not live[i]:
+            backoff[h[i], k[i]] = now + backoff_s
+    idx = np.flatnonzero(live)
+    rand = rng.random(len(idx))
+    by_rand = np.argsort(rand, kind="mergesort")
+    order = idx[by_rand[np.argsort(s[idx][by_rand], kind="mergesort")]]   # by uploader, random within
+    slots = src.shape[1] - 1                       # the last slot is the origin read's
+    first, prev = 0, -1
+    taken = np.zeros(len(n_up), np.int64)
+    for j in range(len(order)):
+        i = order[j]
+        hi, ki, si = h[i], k[i], s[i]
+        if si != prev:
+            first, prev = j, si
+        if j - first >= max_uploads - n_up[si]:
+            backoff[hi, ki] = now + busy_backoff_s
+            continue
+        taken[si] += 1
+        slot = 0
+        while slot < slots and src[hi, slot] >= 0:
+            slot += 1
+        src[hi, slot], chunk[hi, slot], left[hi, slot], nk[hi, slot] = si, c[i], 1.0 - carry[hi], ki
+        carry[hi] = 0.0
+        pend[hi, c[i]] = True
+        n_down[hi] += 1
+        per_peer[hi, ki] += 1
+    n_up += taken
+
+
+@njit(cache=True)
+def end_flows(hs, ks, d, src, nk, n_up, n_down, per_peer):
+    """Flows ``(hs[i], ks[i])`` are over (done, failed or given up): free their slots and counts
+    (slot ``d`` is the host's origin read, which holds no peer download)."""
+    for i in range(len(hs)):
+        h, k = hs[i], ks[i]
+        n_up[src[h, k]] -= 1
+        if k < d:
+            n_down[h] -= 1
+            per_peer[h, nk[h, k]] -= 1
+        src[h, k] = -1
+
+
+@njit(cache=True)
+def next_entries(hosts, n_down, d, plan, plan_ok, plan_ptr, have, pend):
+    """One request round's candidates: each host with a free download slot and a valid plan entry
+    left takes its next entry and moves past it. Returns (hosts, chunks) for the entries still wanted
+    (one the host got or asked for meanwhile is skipped) and how many hosts had an entry at all."""
+    k = plan.shape[1]
+    out_h = np.empty(len(hosts), np.int64)
+    out_c = np.empty(len(hosts), np.int64)
+    n = tried = 0
+    for h in hosts:
+        p = plan_ptr[h]
+        if n_down[h] >= d or p >= k or not plan_ok[h, p]:
+            continue
+        tried += 1
+        plan_ptr[h] = p + 1
+        c = plan[h, p]
+        if not (pend[h, c] or have[h, c]):
+            out_h[n], out_c[n] = h, c
+            n += 1
+    return out_h[:n], out_c[:n], tried
