@@ -1,6 +1,11 @@
 """The simulator's compiled loops (``peerd/sim/kernels.py``) decide as ``peerd/choice.py``'s numpy
 rules do, cell by cell, on a fleet mid-run: racks, deaths, loads, back-offs, and chunks old enough
 for the backup importer and the rescue widening."""
+import os
+import subprocess
+import sys
+import time
+
 import numpy as np
 import pytest
 
@@ -99,3 +104,15 @@ def test_sources_are_picked_by_source_scores_with_the_same_random_draws(for_chun
         assert (k[got] == k_np[got]).all()
         picked += int(got.sum())
     assert picked > 500, picked
+
+
+def test_the_parallel_loops_use_only_idle_cores():
+    """A parallel loop waits for all its threads, so on a busy machine the simulator runs on one."""
+    spin = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in os.sched_getaffinity(0)]
+    try:
+        time.sleep(0.5)                      # the spinners are running
+        assert kernels.use_idle_cores() == 1
+    finally:
+        for p in spin:
+            p.kill()
+            p.wait()

@@ -30,7 +30,7 @@ import numpy as np
 from peerd.choice import cross_rack_ok, import_reach, origin_order, origin_owner, tiebreak_params
 from peerd.sim import kernels
 from peerd.sim.config import SimConfig, analytic_baselines
-from peerd.sim.fluid import rates_with_priority, scale_to_caps
+from peerd.sim.fluid import scale_to_caps
 from peerd.sim.topology import build
 
 
@@ -121,10 +121,12 @@ class FleetSim:
         self.miss = np.zeros((N, 2 * W), np.int64)     # chunk ids below the front each host lacks
         self.miss_n = np.zeros(N, np.int64)            # (kernels.add_missing)
         self._reach_at: tuple = (math.nan, None)
+        self.threads = 0                               # the parallel loops' threads (run() picks them)
 
     # ------------------------------------------------------------------ the run
     def run(self, progress=None) -> dict:
         wall0 = time.monotonic()
+        self.threads = kernels.use_idle_cores()
         next_progress = 0.0
         while self.remaining:
             now = self.advance()
@@ -307,27 +309,21 @@ class FleetSim:
     def _transfer(self, now: float) -> None:
         """One fluid step: every flow moves its fair share; finished flows deliver their chunk."""
         fl, cfg, N, C = self.fl, self.cfg, self.N, self.C
-        hs, ks = np.nonzero(fl.src >= 0)
+        hs, ks, s, r = kernels.flow_rates(fl.src, self.alive, self.up_cap, self.down_cap, self.ORG)
         if len(hs) == 0:
             return
-        s = fl.src[hs, ks]
-        live = self.alive[s]
-        r = np.zeros(len(s))
-        # a dead uploader sends nothing; origin reads go first on a seeder's link
-        r[live] = rates_with_priority(s[live], hs[live], self.up_cap, self.down_cap, s[live] == self.ORG)
-        cross = (self.rack[s] != self.rack[hs]) & (s < N)
-        if cross.any() and cfg.oversubscription > 1:
-            r[cross] = scale_to_caps(r[cross], [(self.rack[s[cross]], self.rack_caps),
-                                                (self.rack[hs[cross]], self.rack_caps)])
-        moved = r / cfg.steps_per_chunk
-        fl.left[hs, ks] -= moved
+        if cfg.oversubscription > 1:
+            cross = (self.rack[s] != self.rack[hs]) & (s < N)
+            if cross.any():
+                r[cross] = scale_to_caps(r[cross], [(self.rack[s[cross]], self.rack_caps),
+                                                    (self.rack[hs[cross]], self.rack_caps)])
+        moved, got, fin = kernels.move_flows(hs, ks, r, cfg.steps_per_chunk, fl.left, N)
         busy = np.isnan(self.done_at) & self.alive[:N]
         if busy.any():                                 # mean download utilisation of unfinished hosts
-            u = float(np.bincount(hs, r, minlength=N)[busy].mean())
+            u = float(got[busy].mean())
             self.util_sum, self.util_steps = self.util_sum + u, self.util_steps + 1
             if math.isnan(self.warm_s) and u >= 0.95:
                 self.warm_s = now
-        fin = fl.left[hs, ks] <= 1e-9
         if not fin.any():
             return
         fh, fk = hs[fin], ks[fin]
@@ -417,7 +413,7 @@ class FleetSim:
                "cross_rack_bytes": int(imports.sum()) * cfg.chunk,
                "mean_download_utilisation": self.util_sum / max(self.util_steps, 1),
                "warm_up_s": self.warm_s,               # until unfinished hosts first download at >= 95 %
-               "transfers": self.transfers, "steps": steps, "wall_s": wall_s}
+               "transfers": self.transfers, "steps": steps, "wall_s": wall_s, "threads": self.threads}
         out["naive_over_swarm"] = out["naive_pull_s"] / mx
         out["tree_over_swarm"] = out["binary_tree_s"] / mx
         return out
