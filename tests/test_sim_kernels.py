@@ -116,3 +116,42 @@ def test_the_parallel_loops_use_only_idle_cores():
         for p in spin:
             p.kill()
             p.wait()
+
+
+def test_a_round_walks_the_plan_to_the_first_entry_a_ready_neighbour_holds():
+    """SwarmPolicy.next_requests looks only at plan entries some ready peer holds; the fleet driver's
+    round walks each host's plan the same way (past held, asked-for and unreachable entries)."""
+    walked = skipped = 0
+    for sim, now, hosts in states():
+        pol = sim.cfg.policy
+        sim._rank(hosts, sim.W, now)                   # fresh plans, as after a bitmap push
+        ptr0 = sim.plan_ptr.copy()
+        expect = {}
+        for h in hosts:
+            if sim.n_down[h] >= sim.D or ptr0[h] >= sim.K or not sim.plan_ok[h, ptr0[h]]:
+                continue
+            p, got = ptr0[h], -1
+            while p < sim.K and sim.plan_ok[h, p] and got < 0:
+                c = sim.plan[h, p]
+                p += 1
+                if sim.have[h, c] or sim.pend[h, c]:
+                    continue
+                peers = sim.nbr[h]
+                ready = (~sim.believed_dead[peers] & (sim.backoff[h] <= now) & (sim.load[peers] < 1.0)
+                         & (sim.per_peer[h] < pol.max_per_peer)
+                         & sim.known[peers, c] & (sim.same_rack[h] | sim._cross_ok(np.array([h]), np.array([c]), now)))
+                if ready.any():
+                    got = c
+                else:
+                    skipped += 1
+            expect[h] = (got, p)
+        plan_ptr = ptr0.copy()
+        h, c, tried = kernels.next_entries(hosts, sim.n_down, sim.D, sim.plan, sim.plan_ok, plan_ptr, sim.have,
+                                           sim.pend, sim.nbr, sim.known, sim.same_rack, sim.rack_rank,
+                                           sim.rack_size, *sim._reach(now), sim.believed_dead, sim.backoff,
+                                           sim.per_peer, sim.load, now, pol.max_per_peer)
+        assert tried == len(expect)
+        assert dict(zip(h.tolist(), c.tolist())) == {g: e[0] for g, e in expect.items() if e[0] >= 0}
+        assert all(plan_ptr[g] == e[1] for g, e in expect.items())
+        walked += len(expect)
+    assert walked > 1000 and skipped > 100, (walked, skipped)

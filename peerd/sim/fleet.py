@@ -276,7 +276,10 @@ class FleetSim:
         for _ in range(self.cfg.request_rounds):
             # asked, busy or no ready holder: each host is past this entry after the round
             h, c, tried = kernels.next_entries(hosts, self.n_down, D, self.plan, self.plan_ok, self.plan_ptr,
-                                               self.have, self.pend)
+                                               self.have, self.pend, self.nbr, self.known, self.same_rack,
+                                               self.rack_rank, self.rack_size, *self._reach(now),
+                                               self.believed_dead, self.backoff, self.per_peer, self.load, now,
+                                               self.cfg.policy.max_per_peer)
             if tried == 0:
                 break
             k, found = self._pick_source(h, c, now)

@@ -167,6 +167,14 @@ def rarest_offered(rows, peers, far, lo, width, miss, miss_n, have, pend, known,
         out[i] = best_c
 
 
+@njit(inline="always")
+def _open(h, j, p, now, backoff, per_peer, max_per_peer, believed_dead, load):
+    """Would host h ask its neighbour j (host p) now: alive as far as h knows, not backed off, not
+    full when it last reported, and fewer than ``max_per_peer`` of h's requests in flight to it
+    (SwarmPolicy's ready peers). The cheap tests; ``known`` (another host's row) comes after."""
+    return not (backoff[h, j] > now or per_peer[h, j] >= max_per_peer or believed_dead[p] or load[p] >= 1.0)
+
+
 @njit(cache=True, parallel=True)
 def pick_sources(rows, chunks, nbr, known, same_rack, rack_rank, rack_size, backup, reach, believed_dead,
                  backoff, per_peer, load, now, max_per_peer, rng, k_out, found_out):
@@ -186,9 +194,8 @@ def pick_sources(rows, chunks, nbr, known, same_rack, rack_rank, rack_size, back
             cross = _reach_ok((rack_rank[h] - c) % n, n, backup[c], reach[c])
         best, best_j = -np.inf, 0
         for j in range(width):
-            # the cheap tests first: ``known`` is a row of another host, a cache miss at 10,000 hosts
             p, mine, near = nbr[h, j], per_peer[h, j], same_rack[h, j]
-            if backoff[h, j] > now or mine >= max_per_peer or believed_dead[p] or load[p] >= 1.0:
+            if not _open(h, j, p, now, backoff, per_peer, max_per_peer, believed_dead, load):
                 continue
             if not any_chunk and not ((near or cross) and known[p, chunks[i]]):
                 continue
@@ -280,26 +287,40 @@ def end_flows(hs, ks, d, src, nk, n_up, n_down, per_peer):
         src[h, k] = -1
 
 
-@njit(cache=True)
-def next_entries(hosts, n_down, d, plan, plan_ok, plan_ptr, have, pend):
-    """One request round's candidates: each host with a free download slot and a valid plan entry
-    left takes its next entry and moves past it. Returns (hosts, chunks) for the entries still wanted
-    (one the host got or asked for meanwhile is skipped) and how many hosts had an entry at all."""
+@njit(cache=True, parallel=True)
+def next_entries(hosts, n_down, d, plan, plan_ok, plan_ptr, have, pend, nbr, known, same_rack, rack_rank,
+                 rack_size, backup, reach, believed_dead, backoff, per_peer, load, now, max_per_peer):
+    """One request round's candidates (SwarmPolicy.next_requests: "only chunks a ready peer holds are
+    worth a look"): each host with a free download slot walks its plan from where it got to, past
+    entries it has received or asked for meanwhile and entries no ready neighbour holds (across racks
+    only where it may pull), to the first one some ready neighbour holds. Returns (hosts, chunks) of
+    those found (each host is past its entry after the round: asked, or busy) and how many hosts
+    still had entries to walk."""
     k = plan.shape[1]
-    out_h = np.empty(len(hosts), np.int64)
-    out_c = np.empty(len(hosts), np.int64)
-    n = tried = 0
-    for h in hosts:
+    found = np.full(len(hosts), -1, np.int64)
+    walked = np.zeros(len(hosts), np.bool_)
+    for i in prange(len(hosts)):
+        h = hosts[i]
         p = plan_ptr[h]
         if n_down[h] >= d or p >= k or not plan_ok[h, p]:
             continue
-        tried += 1
-        plan_ptr[h] = p + 1
-        c = plan[h, p]
-        if not (pend[h, c] or have[h, c]):
-            out_h[n], out_c[n] = h, c
-            n += 1
-    return out_h[:n], out_c[:n], tried
+        walked[i] = True
+        rank, n = rack_rank[h], rack_size[h]
+        while p < k and plan_ok[h, p] and found[i] < 0:
+            c = plan[h, p]
+            p += 1
+            if pend[h, c] or have[h, c]:
+                continue
+            cross = _reach_ok((rank - c) % n, n, backup[c], reach[c])
+            for j in range(nbr.shape[1]):
+                q = nbr[h, j]
+                if ((same_rack[h, j] or cross) and _open(h, j, q, now, backoff, per_peer, max_per_peer,
+                                                         believed_dead, load) and known[q, c]):
+                    found[i] = c
+                    break
+        plan_ptr[h] = p
+    ok = found >= 0
+    return hosts[ok], found[ok], int(walked.sum())
 
 
 @njit(cache=True)
