@@ -155,3 +155,10 @@ def test_a_round_walks_the_plan_to_the_first_entry_a_ready_neighbour_holds():
         assert all(plan_ptr[g] == e[1] for g, e in expect.items())
         walked += len(expect)
     assert walked > 1000 and skipped > 100, (walked, skipped)
+
+
+def test_the_daemon_never_loads_numba():
+    """numba is the simulator's; a peerd process imports the same rules without it."""
+    code = ("import sys, peerd.__main__, peerd.daemon, peerd.policy, peerd.job, peerd.server, peerd.choice; "
+            "sys.exit('numba' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

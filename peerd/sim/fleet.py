@@ -1,7 +1,7 @@
 """Flow-level swarm simulator at fleet scale (10,000 hosts x 6,250 chunks).
 
-Every host runs peerd's decision rules, evaluated for all hosts at once through the batched
-functions in ``peerd/choice.py`` that ``SwarmPolicy`` calls with one row: rarest first (by the count
+Every host runs peerd's decision rules, in compiled per-host loops (``peerd/sim/kernels.py``) built
+from the functions in ``peerd/choice.py`` that ``SwarmPolicy`` calls: rarest first (by the count
 of neighbours known to hold a chunk) inside a window of the lowest missing chunks with a per-host
 random tie-break; sources in the host's own rack first; across racks only for the host's import
 stripe, its backup stripe after ``rack_grace_s``, widening after ``rack_rescue_s``; origin reads
@@ -43,7 +43,6 @@ class _Flows:
         self.chunk = np.zeros((n, slots), np.int64)
         self.left = np.zeros((n, slots))
         self.nk = np.zeros((n, slots), np.int64)
-
 
 
 class FleetSim:
