@@ -4,7 +4,7 @@ Each flow crosses two links: its uploader's and its downloader's. ``max_min_rate
 max-min fair allocation by parallel water-filling: every round, each unfrozen flow grows by the
 smaller of its two links' even split of their remaining capacity, and flows on a full link freeze.
 No link ever exceeds its capacity. Compiled: a few passes over the flows per round (at 10,000 hosts
-~75,000 flows, ~1 ms a step against ~6 ms as numpy ``bincount``s).
+~75,000 flows: 1.9 ms a step against 5.7 ms as numpy ``bincount``s, cProfile mid-run).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The fleet driver's per-(host, chunk) and per-(host, peer) loops, compiled (numba).
 
-At 10,000 hosts a time step ranks ~7,500 windows of 1,024 chunks and scores ~30,000 (host, peer)
-pairs: as whole-matrix numpy that is ~150 ms a step, most of it temporaries. These loops do the
+At 10,000 hosts a time step ranks ~7,500 windows of up to 1,024 chunks and scores ~35,000 (host, 32
+neighbours) rows: as whole-matrix numpy that was ~145 ms a step, most of it temporaries. These loops do the
 same work in one pass per row, skipping the cells a host already holds or has asked for.
 
 They decide by ``peerd/choice.py``'s rules, compiled from the very functions ``SwarmPolicy`` calls
