@@ -7,7 +7,6 @@ import sys
 import time
 
 import numpy as np
-import pytest
 
 from peerd.choice import rank_window, source_scores
 from peerd.sim import kernels
@@ -70,39 +69,89 @@ def test_the_rarest_chunk_a_peer_offers_is_rank_window_over_its_holdings():
             cols = lo[:, None] + np.arange(W)
             usable, cross = per_cell_usable(sim, hosts, cols, now)
             want = (~sim.have[hosts[:, None], cols] & ~sim.pend[hosts[:, None], cols]
-                    & sim.known[peers[:, None], cols] & (cross | ~far[:, None]))
+                    & sim.knows(peers[:, None], cols) & (cross | ~far[:, None]))
             cand, ok = rank_window(want, np.maximum(usable, 1), lo, sim.tb_a, sim.tb_b[hosts], 1)
             out = np.empty(len(hosts), np.int64)
             kernels.rarest_offered(hosts, peers, far, lo, W, sim.miss, sim.miss_n, sim.have, sim.pend, sim.known,
-                                   sim.nb_cnt, sim.nb_far, sim.rack_rank, sim.rack_size, *sim._reach(now),
+                                   sim.slot, sim.nb_cnt, sim.nb_far, sim.rack_rank, sim.rack_size, *sim._reach(now),
                                    sim.tb_a, sim.tb_b, out)
             assert (out == np.where(ok[:, 0], cand[:, 0], -1)).all()
             found += int(ok.sum())
     assert found > 500, found
 
 
-@pytest.mark.parametrize("for_chunk", [True, False], ids=["holders-of-a-chunk", "any-peer"])
-def test_sources_are_picked_by_source_scores_with_the_same_random_draws(for_chunk):
+class KernelDraws:
+    """A stand-in generator that hands ``source_scores`` the kernels' draws (``kernels.uniform``)."""
+
+    def __init__(self, u):
+        self.u = u
+
+    def random(self, shape, dtype):
+        assert shape == self.u.shape
+        return self.u.astype(dtype)             # 24-bit draws: exact in float32
+
+
+def best_by_source_scores(sim, hosts, ready, key):
+    """SwarmPolicy's pick among ``ready`` neighbours, through ``choice.source_scores`` (-1: none)."""
+    peers = sim.nbr[hosts]
+    score = source_scores(ready, sim.same_rack[hosts], sim.per_peer[hosts],
+                          KernelDraws(kernels.draws(key, hosts, sim.nbr.shape[1])),
+                          0.74 * (1.0 - np.minimum(sim.load[peers], 1.0)))
+    return np.where(ready.any(axis=1), np.argmax(score, axis=1), -1)
+
+
+def ready_peers(sim, hosts, now):
+    """SwarmPolicy's ready peers, per cell: believed alive, not backed off, not full, under the cap."""
+    peers = sim.nbr[hosts]
+    return (~sim.believed_dead[peers] & (sim.backoff[hosts] <= now) & (sim.load[peers] < 1.0)
+            & (sim.per_peer[hosts] < sim.cfg.policy.max_per_peer))
+
+
+def test_what_peers_know_is_what_was_pushed():
+    """The bits of ``known`` (rack by rack, each rack on its own cache lines) say exactly what each host
+    held at its last bitmap push; every host has a bit of its own. 150 hosts a rack: three words."""
+    sim = FleetSim(SimConfig(hosts=300, size=120 * CHUNK, racks=2, fail_fraction=0.1, seed=3))
+    hosts, pushes = np.arange(sim.N), 0
+    while sim.step * sim.dt < 0.6 * sim.lower:         # past the first deaths, before anyone finishes
+        sim.advance()
+        if sim.announced:
+            assert (sim.knows(hosts[:, None], np.arange(sim.C)) == sim.have[:sim.N, :sim.C]).all()
+            pushes += 1
+    held = sim.have[:sim.N, :sim.C].sum()
+    assert pushes > 30 and 0.1 < held / sim.have[:sim.N, :sim.C].size < 0.9 and not sim.alive[:sim.N].all()
+    assert len(np.unique(sim.slot)) == sim.N + 1
+    for r in range(sim.cfg.racks):
+        lines = np.unique(sim.slot[:sim.N][sim.rack[:sim.N] == r] // 512)
+        assert np.isin(lines, sim.slot[:sim.N][sim.rack[:sim.N] != r] // 512).sum() == 0
+
+
+def test_the_draws_are_uniform_and_independent():
+    """The kernels' random draws (a hash of round, host and neighbour): uniform, and unrelated across
+    rounds, hosts and neighbours."""
+    rows = np.arange(4000)
+    a = kernels.draws(kernels.round_key(1, 7, 0), rows, 32)
+    b = kernels.draws(kernels.round_key(1, 7, 1), rows, 32)
+    c = kernels.draws(kernels.round_key(1, 8, 0), rows, 32)
+    d = kernels.draws(kernels.round_key(2, 7, 0), rows, 32)
+    assert a.min() >= 0 and a.max() < 1
+    counts = np.bincount((a * 20).astype(int).ravel(), minlength=20)
+    expect = a.size / 20
+    assert ((counts - expect) ** 2 / expect).sum() < 60        # chi-square, 19 d.o.f.: p ~ 1e-6
+    for x, y in [(a, b), (a, c), (a, d), (a[:, :-1], a[:, 1:]), (a[:-1], a[1:])]:
+        assert abs(np.corrcoef(x.ravel(), y.ravel())[0, 1]) < 0.01
+    assert (kernels.draws(kernels.round_key(1, 7, 0), rows, 32) == a).all()   # a key replays its draws
+
+
+def test_peer_first_sources_are_picked_by_source_scores_with_the_same_draws():
     picked = 0
     for sim, now, hosts in states():
-        pol = sim.cfg.policy
-        c = sim.plan[hosts, 0] if for_chunk else np.zeros(0, np.int64)
-        peers = sim.nbr[hosts]
-        holds = ~sim.believed_dead[peers] & (sim.backoff[hosts] <= now) & (sim.load[peers] < 1.0) & (
-            sim.per_peer[hosts] < pol.max_per_peer)
-        if for_chunk:
-            holds &= sim.known[peers, c[:, None]] & (sim.same_rack[hosts] | sim._cross_ok(hosts, c, now)[:, None])
-        seed = sim.step
-        score = source_scores(holds, sim.same_rack[hosts], sim.per_peer[hosts], np.random.default_rng(seed),
-                              0.74 * (1.0 - np.minimum(sim.load[peers], 1.0)))
-        k_np = np.argmax(score, axis=1)
-        k, got = np.zeros(len(hosts), np.int64), np.zeros(len(hosts), bool)
-        kernels.pick_sources(hosts, c, sim.nbr, sim.known, sim.same_rack, sim.rack_rank, sim.rack_size,
-                             *sim._reach(now), sim.believed_dead, sim.backoff, sim.per_peer, sim.load, now,
-                             pol.max_per_peer, np.random.default_rng(seed), k, got)
-        assert (got == holds[np.arange(len(hosts)), k_np]).all()
-        assert (k[got] == k_np[got]).all()
-        picked += int(got.sum())
+        ready = ready_peers(sim, hosts, now)
+        key = kernels.round_key(5, sim.step, 3)
+        k = np.empty(len(hosts), np.int64)
+        kernels.pick_sources(hosts, key, sim.nbr, sim.known, sim.slot, sim.same_rack, sim.believed_dead, sim.backoff,
+                             sim.per_peer, sim.load, now, sim.cfg.policy.max_per_peer, k)
+        assert (k == best_by_source_scores(sim, hosts, ready, key)).all()
+        picked += int((k >= 0).sum())
     assert picked > 500, picked
 
 
@@ -119,39 +168,40 @@ def test_the_parallel_loops_use_only_idle_cores():
 
 
 def test_a_round_walks_the_plan_to_the_first_entry_a_ready_neighbour_holds():
-    """SwarmPolicy.next_requests looks only at plan entries some ready peer holds; the fleet driver's
-    round walks each host's plan the same way (past held, asked-for and unreachable entries)."""
+    """SwarmPolicy.next_requests looks only at plan entries some ready peer holds, and asks the one
+    ``source_scores`` ranks best; the fleet driver's round walks each host's plan the same way (past
+    held, asked-for and unreachable entries)."""
     walked = skipped = 0
     for sim, now, hosts in states():
-        pol = sim.cfg.policy
         sim._rank(hosts, sim.W, now)                   # fresh plans, as after a bitmap push
+        key = kernels.round_key(5, sim.step, 0)
         ptr0 = sim.plan_ptr.copy()
         expect = {}
         for h in hosts:
             if sim.n_down[h] >= sim.D or ptr0[h] >= sim.K or not sim.plan_ok[h, ptr0[h]]:
                 continue
-            p, got = ptr0[h], -1
+            p, got, src = ptr0[h], -1, -1
             while p < sim.K and sim.plan_ok[h, p] and got < 0:
                 c = sim.plan[h, p]
                 p += 1
                 if sim.have[h, c] or sim.pend[h, c]:
                     continue
-                peers = sim.nbr[h]
-                ready = (~sim.believed_dead[peers] & (sim.backoff[h] <= now) & (sim.load[peers] < 1.0)
-                         & (sim.per_peer[h] < pol.max_per_peer)
-                         & sim.known[peers, c] & (sim.same_rack[h] | sim._cross_ok(np.array([h]), np.array([c]), now)))
+                ready = (ready_peers(sim, np.array([h]), now)[0] & sim.knows(sim.nbr[h], c)
+                         & (sim.same_rack[h] | sim._cross_ok(np.array([h]), np.array([c]), now)))
                 if ready.any():
-                    got = c
+                    got, src = c, int(best_by_source_scores(sim, np.array([h]), ready[None], key)[0])
                 else:
                     skipped += 1
-            expect[h] = (got, p)
+            expect[h] = (got, p, src)
         plan_ptr = ptr0.copy()
-        h, c, tried = kernels.next_entries(hosts, sim.n_down, sim.D, sim.plan, sim.plan_ok, plan_ptr, sim.have,
-                                           sim.pend, sim.nbr, sim.known, sim.same_rack, sim.rack_rank,
-                                           sim.rack_size, *sim._reach(now), sim.believed_dead, sim.backoff,
-                                           sim.per_peer, sim.load, now, pol.max_per_peer)
+        h, c, k, tried = kernels.next_entries(hosts, key, sim.n_down, sim.D, sim.plan, sim.plan_ok, plan_ptr,
+                                              sim.have, sim.pend, sim.nbr, sim.known, sim.slot, sim.same_rack,
+                                              sim.rack_rank, sim.rack_size, *sim._reach(now), sim.believed_dead,
+                                              sim.backoff,
+                                              sim.per_peer, sim.load, now, sim.cfg.policy.max_per_peer)
         assert tried == len(expect)
-        assert dict(zip(h.tolist(), c.tolist())) == {g: e[0] for g, e in expect.items() if e[0] >= 0}
+        assert {g: (e, j) for g, e, j in zip(h.tolist(), c.tolist(), k.tolist())} == {
+            g: (e[0], e[2]) for g, e in expect.items() if e[0] >= 0}
         assert all(plan_ptr[g] == e[1] for g, e in expect.items())
         walked += len(expect)
     assert walked > 1000 and skipped > 100, (walked, skipped)

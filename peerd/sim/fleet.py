@@ -70,7 +70,10 @@ class FleetSim:
 
         self.have = np.zeros((N + 1, C + W), bool)     # what each host holds
         self.have[:, C:] = True                        # padding: the window never runs off the end
-        self.known = self.have.copy()                  # what it has announced (its peers' view)
+        # what each host has announced (its peers' view): one bit per (chunk, host), rack-mates side by side
+        self.slot, words = kernels.bit_slots(topo.rack, cfg.racks)
+        self.known = np.zeros((C + W, words), np.uint64)
+        self.known[C:] = np.uint64(2**64 - 1)
         self.pend = np.zeros((N, C + W), bool)         # what it has asked for
         self.nb_cnt = np.zeros((N, C + W), np.uint8)   # neighbours believed alive known to hold each chunk
         self.nb_far = np.zeros((N, C + W), np.uint8)   # ... of them in other racks
@@ -185,9 +188,10 @@ class FleetSim:
             _, h = self.detect.pop(0)
             self.believed_dead[h] = True
             rows = self.nbr[h][self.nbr[h] < N]
-            self.nb_cnt[rows, :C] -= self.known[h, :C]
+            held = self.knows(np.array([h]), np.arange(C))
+            self.nb_cnt[rows, :C] -= held
             far = rows[self.rack[rows] != self.rack[h]]
-            self.nb_far[far, :C] -= self.known[h, :C]
+            self.nb_far[far, :C] -= held
             hs, ks = np.nonzero(fl.src == h)
             self.pend[hs, fl.chunk[hs, ks]] = False
             self._end_flows(hs, ks)
@@ -243,14 +247,13 @@ class FleetSim:
                            self.plan, self.plan_ok)
         self.plan_ptr[rows] = 0
 
-    def _pick_source(self, h: np.ndarray, c: np.ndarray | None, now: float) -> tuple[np.ndarray, np.ndarray]:
-        """For each host, the best neighbour it would ask now for chunk ``c[i]`` (any neighbour where
-        ``c`` is None): (position, found)."""
-        k, found = np.zeros(len(h), np.int64), np.zeros(len(h), bool)
-        kernels.pick_sources(h, np.zeros(0, np.int64) if c is None else c, self.nbr, self.known, self.same_rack,
-                             self.rack_rank, self.rack_size, *self._reach(now), self.believed_dead, self.backoff,
-                             self.per_peer, self.load, now, self.cfg.policy.max_per_peer, self.nrng, k, found)
-        return k, found
+    def _pick_source(self, h: np.ndarray, key: np.uint64, now: float) -> np.ndarray:
+        """For each host, the ready neighbour it would ask now for whatever that neighbour offers
+        (position; -1 where none is ready)."""
+        k = np.empty(len(h), np.int64)
+        kernels.pick_sources(h, key, self.nbr, self.known, self.slot, self.same_rack, self.believed_dead, self.backoff,
+                             self.per_peer, self.load, now, self.cfg.policy.max_per_peer, k)
+        return k
 
     def _ask(self, h: np.ndarray, c: np.ndarray, k: np.ndarray, now: float) -> None:
         """Host ``h[i]`` asks its neighbour ``k[i]`` for chunk ``c[i]`` (``kernels.ask``)."""
@@ -272,37 +275,40 @@ class FleetSim:
         stale = hosts if replan else hosts[self.plan_ptr[hosts] >= K]
         if len(stale):
             self._rank(stale, w, now)
-        for _ in range(self.cfg.request_rounds):
+        for rnd in range(self.cfg.request_rounds):
             # asked, busy or no ready holder: each host is past this entry after the round
-            h, c, tried = kernels.next_entries(hosts, self.n_down, D, self.plan, self.plan_ok, self.plan_ptr,
-                                               self.have, self.pend, self.nbr, self.known, self.same_rack,
-                                               self.rack_rank, self.rack_size, *self._reach(now),
-                                               self.believed_dead, self.backoff, self.per_peer, self.load, now,
-                                               self.cfg.policy.max_per_peer)
+            h, c, k, tried = kernels.next_entries(hosts, self._key(rnd), self.n_down, D, self.plan, self.plan_ok,
+                                                  self.plan_ptr, self.have, self.pend, self.nbr, self.known, self.slot,
+                                                  self.same_rack, self.rack_rank, self.rack_size, *self._reach(now),
+                                                  self.believed_dead, self.backoff, self.per_peer, self.load, now,
+                                                  self.cfg.policy.max_per_peer)
             if tried == 0:
                 break
-            k, found = self._pick_source(h, c, now)
-            if found.any():
-                self._ask(h[found], c[found], k[found], now)
+            if len(h):
+                self._ask(h, c, k, now)
         # the rarest chunks' holders are all busy: ask an idle neighbour for the rarest chunk it
         # is known to have (SwarmPolicy._peer_first)
-        for _ in range(self.cfg.peer_first_rounds):
+        for rnd in range(self.cfg.peer_first_rounds):
             h = hosts[self.n_down[hosts] < D]
             if len(h) == 0:
                 break
-            k, found = self._pick_source(h, None, now)
-            h, k = h[found], k[found]
+            k = self._pick_source(h, self._key(self.cfg.request_rounds + rnd), now)
+            h, k = h[k >= 0], k[k >= 0]
             if len(h) == 0:
                 break
             cand = np.empty(len(h), np.int64)
             kernels.rarest_offered(h, self.nbr[h, k], ~self.same_rack[h, k], self.lo[h], W, self.miss, self.miss_n,
                                    self.have, self.pend,
-                                   self.known, self.nb_cnt, self.nb_far, self.rack_rank, self.rack_size,
+                                   self.known, self.slot, self.nb_cnt, self.nb_far, self.rack_rank, self.rack_size,
                                    *self._reach(now), self.tb_a, self.tb_b, cand)
             ok = cand >= 0
             if not ok.any():
                 break
             self._ask(h[ok], cand[ok], k[ok], now)
+
+    def _key(self, rnd: int) -> np.uint64:
+        """The random draws' key for round ``rnd`` of this step (``kernels.uniform``)."""
+        return kernels.round_key(self.cfg.seed, self.step, rnd)
 
     # ------------------------------------------------------------------ the network
     def _transfer(self, now: float) -> None:
@@ -361,7 +367,7 @@ class FleetSim:
         h = np.concatenate([a for a, _ in self.announce])
         c = np.concatenate([b for _, b in self.announce])
         self.announce.clear()
-        self.known[h, c] = True
+        kernels.set_known(self.known, self.slot, h, c)
         self._front_to(int(c.max()) + 1)
         np.minimum.at(self.seen, c, now)
         self._reach_at = (math.nan, None)
@@ -381,6 +387,11 @@ class FleetSim:
                 grown[:, :self.miss.shape[1]] = self.miss
                 self.miss = grown
         self.front = front
+
+    def knows(self, hosts: np.ndarray, chunks: np.ndarray) -> np.ndarray:
+        """Is ``hosts`` known to hold ``chunks`` (broadcast together)?"""
+        h, c = np.broadcast_arrays(hosts, chunks)
+        return kernels.knows(self.known, self.slot, h.ravel(), c.ravel()).reshape(h.shape)
 
     def _end_flows(self, hs: np.ndarray, ks: np.ndarray) -> None:
         fl = self.fl

@@ -57,6 +57,47 @@ def _cpu_times() -> tuple[int, int]:
 
 
 @njit(inline="always")
+def _knows(known, slot, p, c):
+    """Is host p known (by its bitmap pushes) to hold chunk c? ``known``: one bit per (chunk, host
+    slot); ``slot``: each host's bit (``bit_slots``)."""
+    b = slot[p]
+    return ((known[c, b >> 6] >> np.uint64(b & 63)) & np.uint64(1)) != 0
+
+
+def bit_slots(rack: np.ndarray, racks: int) -> tuple[np.ndarray, int]:
+    """Each host's bit in a chunk's row of ``known`` (one more at the end for the padding id,
+    "nobody"), and the row's length in 64-bit words. Hosts go rack by rack, each rack starting on a
+    fresh cache line: a round reads one chunk's bits for a host's ~20 rack-mates, and that is one
+    line instead of ~20 (profiled: the rounds' main cost)."""
+    sizes = np.bincount(rack, minlength=racks)
+    start = np.concatenate([[0], np.cumsum(-(-sizes // 512) * 512)])     # 512 bits: one cache line
+    slot = np.empty(len(rack) + 1, np.int64)
+    fill = start[:-1].copy()
+    for h, r in enumerate(rack):
+        slot[h] = fill[r]
+        fill[r] += 1
+    slot[-1] = start[-1]
+    return slot, int(start[-1]) // 64 + 1
+
+
+@njit(cache=True)
+def set_known(known, slot, hosts, chunks):
+    """Hosts' bitmap pushes arrived: ``hosts[i]`` is known to hold ``chunks[i]``."""
+    for i in range(len(hosts)):
+        b = slot[hosts[i]]
+        known[chunks[i], b >> 6] |= np.uint64(1) << np.uint64(b & 63)
+
+
+@njit(cache=True)
+def knows(known, slot, hosts, chunks):
+    """``_knows`` for each (hosts[i], chunks[i]), as booleans."""
+    out = np.empty(len(hosts), np.bool_)
+    for i in range(len(hosts)):
+        out[i] = _knows(known, slot, hosts[i], chunks[i])
+    return out
+
+
+@njit(inline="always")
 def _usable(h, c, rank, n, nb_cnt, nb_far, backup, reach):
     """How many of host h's live neighbours it may ask for chunk c: its own rack's holders, and other
     racks' only where ``reach_ok`` lets it pull across (SwarmPolicy's ranking count). ``rank`` and
@@ -146,7 +187,7 @@ def rank_plans(rows, lo, width, miss, miss_n, have, pend, nb_cnt, nb_far, rack_r
 
 
 @njit(cache=True, parallel=True)
-def rarest_offered(rows, peers, far, lo, width, miss, miss_n, have, pend, known, nb_cnt, nb_far, rack_rank,
+def rarest_offered(rows, peers, far, lo, width, miss, miss_n, have, pend, known, slot, nb_cnt, nb_far, rack_rank,
                    rack_size, backup, reach, table, offset, out):
     """SwarmPolicy._peer_first: for each row, the rarest chunk of its window that peer ``peers[i]`` is
     known to hold and the host wants (across racks only where it may pull), ranked by usable holders
@@ -157,7 +198,7 @@ def rarest_offered(rows, peers, far, lo, width, miss, miss_n, have, pend, known,
         best, best_c = _NONE, -1
         for j in range(miss_n[h]):
             c = miss[h, j]
-            if c >= start + width or have[h, c] or pend[h, c] or not known[s, c]:
+            if c >= start + width or have[h, c] or pend[h, c] or not _knows(known, slot, s, c):
                 continue
             if far[i] and not _reach_ok((rank - c) % n, n, backup[c], reach[c]):
                 continue
@@ -176,36 +217,68 @@ def _open(h, j, p, now, backoff, per_peer, max_per_peer, believed_dead, load):
     return not (backoff[h, j] > now or per_peer[h, j] >= max_per_peer or believed_dead[p] or load[p] >= 1.0)
 
 
-@njit(cache=True, parallel=True)
-def pick_sources(rows, chunks, nbr, known, same_rack, rack_rank, rack_size, backup, reach, believed_dead,
-                 backoff, per_peer, load, now, max_per_peer, rng, k_out, found_out):
-    """For each row, the neighbour it would ask now (SwarmPolicy._choose_source): among the live, not
-    backed off, not full peers it has fewer than ``max_per_peer`` requests to that hold ``chunks[i]``
-    (any peer where ``chunks`` is empty), the best ``source_score``; the load stands in for the
-    throughput rank. One random draw per (row, neighbour), in row order, as the numpy code drew them."""
-    width = nbr.shape[1]
-    any_chunk = len(chunks) == 0
-    u = rng.random(len(rows) * width, dtype=np.float32)
-    for i in prange(len(rows)):
-        h = rows[i]
-        cross = True
-        if not any_chunk:
-            c = chunks[i]
-            n = rack_size[h]
-            cross = _reach_ok((rack_rank[h] - c) % n, n, backup[c], reach[c])
-        best, best_j = -np.inf, 0
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+@njit(inline="always")
+def _mix(z):
+    """splitmix64's finaliser: every input bit moves every output bit."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+@njit(inline="always")
+def uniform(key, h, j):
+    """The random draw of host h for its neighbour j in the round ``key``: a hash, uniform in [0, 1)
+    with float32's 24 bits. Drawn only for the neighbours a loop scores, in any thread order, with
+    the same result for any thread count."""
+    z = _mix(np.uint64(key) + _GOLDEN * np.uint64(h + 1))
+    return np.float64(_mix(z + _GOLDEN * np.uint64(j + 1)) >> np.uint64(40)) * (1.0 / (1 << 24))
+
+
+@njit(cache=True)
+def draws(key, rows, width):
+    """``uniform`` for every (row, neighbour), as a matrix (what a test compares against)."""
+    out = np.empty((len(rows), width))
+    for i in range(len(rows)):
         for j in range(width):
-            p, mine, near = nbr[h, j], per_peer[h, j], same_rack[h, j]
-            if not _open(h, j, p, now, backoff, per_peer, max_per_peer, believed_dead, load):
-                continue
-            if not any_chunk and not ((near or cross) and known[p, chunks[i]]):
-                continue
-            ld = load[p]
-            score = _source_score(near, mine, np.float64(u[i * width + j]), 0.74 * (1.0 - min(ld, 1.0)))
-            if score > best:
-                best, best_j = score, j
-        k_out[i] = best_j
-        found_out[i] = best > -np.inf
+            out[i, j] = uniform(key, rows[i], j)
+    return out
+
+
+def round_key(seed: int, step: int, rnd: int) -> np.uint64:
+    """The key of request round ``rnd`` of time step ``step``: distinct draws for every round."""
+    return np.uint64(_mix(np.uint64(((seed * 1_000_003 + step) * 64 + rnd) & (2**64 - 1))))
+
+
+@njit(inline="always")
+def _best_source(h, c, cross, key, nbr, known, slot, same_rack, believed_dead, backoff, per_peer, load, now,
+                 max_per_peer):
+    """SwarmPolicy._choose_source for host h: among its ready neighbours (``_open``) that are known to
+    hold chunk c (any ready neighbour where c < 0), in its own rack or across where ``cross``, the
+    best ``source_score``; the load stands in for the throughput rank. -1 where there is none."""
+    best, best_j = -np.inf, -1
+    for j in range(nbr.shape[1]):
+        p, near = nbr[h, j], same_rack[h, j]
+        if not (near or cross) or not _open(h, j, p, now, backoff, per_peer, max_per_peer, believed_dead, load):
+            continue
+        if c >= 0 and not _knows(known, slot, p, c):
+            continue
+        score = _source_score(near, per_peer[h, j], uniform(key, h, j), 0.74 * (1.0 - min(load[p], 1.0)))
+        if score > best:
+            best, best_j = score, j
+    return best_j
+
+
+@njit(cache=True, parallel=True)
+def pick_sources(rows, key, nbr, known, slot, same_rack, believed_dead, backoff, per_peer, load, now, max_per_peer,
+                 k_out):
+    """For each row, the ready neighbour it would ask now for whatever it offers (SwarmPolicy's
+    peer-first source): ``_best_source`` over any chunk; -1 where none is ready."""
+    for i in prange(len(rows)):
+        k_out[i] = _best_source(rows[i], -1, True, key, nbr, known, slot, same_rack, believed_dead, backoff, per_peer,
+                                load, now, max_per_peer)
 
 
 @njit(cache=True, parallel=True)
@@ -248,19 +321,13 @@ def ask(h, c, k, now, nbr, alive, max_uploads, backoff_s, busy_backoff_s, rng, n
         live[i] = alive[s[i]]
         if not live[i]:
             backoff[h[i], k[i]] = now + backoff_s
-    idx = np.flatnonzero(live)
-    rand = rng.random(len(idx))
-    by_rand = np.argsort(rand, kind="mergesort")
-    order = idx[by_rand[np.argsort(s[idx][by_rand], kind="mergesort")]]   # by uploader, random within
+    order = np.flatnonzero(live)
+    order = order[np.argsort(rng.random(len(order)))]   # each uploader takes a random subset
     slots = src.shape[1] - 1                       # the last slot is the origin read's
-    first, prev = 0, -1
     taken = np.zeros(len(n_up), np.int64)
-    for j in range(len(order)):
-        i = order[j]
+    for i in order:
         hi, ki, si = h[i], k[i], s[i]
-        if si != prev:
-            first, prev = j, si
-        if j - first >= max_uploads - n_up[si]:
+        if taken[si] >= max_uploads - n_up[si]:
             backoff[hi, ki] = now + busy_backoff_s
             continue
         taken[si] += 1
@@ -289,16 +356,17 @@ def end_flows(hs, ks, d, src, nk, n_up, n_down, per_peer):
 
 
 @njit(cache=True, parallel=True)
-def next_entries(hosts, n_down, d, plan, plan_ok, plan_ptr, have, pend, nbr, known, same_rack, rack_rank,
+def next_entries(hosts, key, n_down, d, plan, plan_ok, plan_ptr, have, pend, nbr, known, slot, same_rack, rack_rank,
                  rack_size, backup, reach, believed_dead, backoff, per_peer, load, now, max_per_peer):
-    """One request round's candidates (SwarmPolicy.next_requests: "only chunks a ready peer holds are
-    worth a look"): each host with a free download slot walks its plan from where it got to, past
-    entries it has received or asked for meanwhile and entries no ready neighbour holds (across racks
-    only where it may pull), to the first one some ready neighbour holds. Returns (hosts, chunks) of
-    those found (each host is past its entry after the round: asked, or busy) and how many hosts
-    still had entries to walk."""
+    """One request round (SwarmPolicy.next_requests: "only chunks a ready peer holds are worth a
+    look"): each host with a free download slot walks its plan from where it got to, past entries it
+    has received or asked for meanwhile and entries no ready neighbour holds (across racks only where
+    it may pull), to the first one some ready neighbour holds, and picks that chunk's source
+    (``_best_source``). Returns (hosts, chunks, neighbour positions) of those found (each host is
+    past its entry after the round: asked, or busy) and how many hosts still had entries to walk."""
     k = plan.shape[1]
     found = np.full(len(hosts), -1, np.int64)
+    src = np.full(len(hosts), -1, np.int64)
     walked = np.zeros(len(hosts), np.bool_)
     for i in prange(len(hosts)):
         h = hosts[i]
@@ -313,15 +381,13 @@ def next_entries(hosts, n_down, d, plan, plan_ok, plan_ptr, have, pend, nbr, kno
             if pend[h, c] or have[h, c]:
                 continue
             cross = _reach_ok((rank - c) % n, n, backup[c], reach[c])
-            for j in range(nbr.shape[1]):
-                q = nbr[h, j]
-                if ((same_rack[h, j] or cross) and _open(h, j, q, now, backoff, per_peer, max_per_peer,
-                                                         believed_dead, load) and known[q, c]):
-                    found[i] = c
-                    break
+            j = _best_source(h, c, cross, key, nbr, known, slot, same_rack, believed_dead, backoff, per_peer, load, now,
+                             max_per_peer)
+            if j >= 0:
+                found[i], src[i] = c, j
         plan_ptr[h] = p
     ok = found >= 0
-    return hosts[ok], found[ok], int(walked.sum())
+    return hosts[ok], found[ok], src[ok], int(walked.sum())
 
 
 @njit(cache=True)
