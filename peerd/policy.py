@@ -26,6 +26,8 @@ ORIGIN = "<origin>"
 @dataclass(frozen=True)
 class PolicyConfig:
     max_inflight: int = 8          # requests in flight per host
+    seeder_inflight: int = 2       # more for a seeder: its origin read shares its link, and its rack-mates
+                                   # (first to hold its fresh chunks) answer it busy more often
     max_per_peer: int = 2          # requests in flight to any one peer
     origin_inflight: int = 1       # concurrent origin reads per host (one at a time: the first chunk lands soonest)
     origin_spread: int = 4         # origin reads go block by block, this many stripe positions a block
@@ -116,6 +118,7 @@ class SwarmPolicy:
         self._plan = np.zeros(0, np.int64)
         self._dirty, self._planned_at = True, -math.inf
         self.missing = int(n - self.have.sum())
+        self.peer_budget = self.config.max_inflight + (self.config.seeder_inflight if self.me in self.seeders else 0)
         self._restripe()
 
     # ------------------------------------------------------------ membership and striping
@@ -308,7 +311,7 @@ class SwarmPolicy:
         for c in self._origin_chunks(now):
             self._add_request(c, ORIGIN)
             out.append(Request(c, ORIGIN))
-        free = self.config.max_inflight - self.peer_requests
+        free = self.peer_budget - self.peer_requests
         if free <= 0:
             return out
         # peers that can take a request now, in a random rotation (random among equals)
@@ -363,7 +366,7 @@ class SwarmPolicy:
         """When a peer or the origin comes out of back-off: the driver should ask again then.
 
         None when nothing is backing off or every request slot is taken."""
-        if self.peer_requests >= self.config.max_inflight or self.missing == 0:
+        if self.peer_requests >= self.peer_budget or self.missing == 0:
             return None
         times = [p.backoff_until for p in self.peers.values()
                  if p.alive and not p.quarantined and p.backoff_until > now]

@@ -235,7 +235,7 @@ def test_invariants_under_random_events(events):
         elif kind == "tick":
             p.tick(t)
         # bookkeeping always agrees with what is really outstanding
-        assert p.peer_requests <= cfg.max_inflight and p.origin_active <= cfg.origin_inflight
+        assert p.peer_requests <= p.peer_budget and p.origin_active <= cfg.origin_inflight
         assert sorted((r.chunk, r.source) for r in live_reqs) == sorted(
             (c, s) for c, srcs in p.inflight.items() for s in srcs)
         for pid, ps in p.peers.items():
@@ -277,3 +277,16 @@ def test_peer_set_keeps_few_peers_from_other_racks():
     p.peer_dead("far1")
     assert p.peer_bitmap("far3", np.ones(4, bool), 1, rack="r2")       # a dead one's place is free again
     assert p.peer_bitmap("far1", np.ones(4, bool), 2, rack="r2")       # and a known peer may come back
+
+
+def test_a_seeder_keeps_more_peer_requests_in_flight():
+    """A seeder's origin read shares its link: it keeps ``seeder_inflight`` more peer requests going."""
+    cfg = PolicyConfig(random_first=0, max_inflight=4, max_per_peer=1, seeder_inflight=2)
+    for seeders, budget in [(("me", "s2"), 6), (("s1", "s2"), 4)]:
+        p = pol(30, seeders=seeders, config=cfg)
+        for i in range(10):
+            p.peer_bitmap(f"p{i}", np.ones(30, bool), 0)
+        reqs = p.next_requests(0)
+        assert p.peer_budget == budget and len(reqs) == budget and all(r.source != ORIGIN for r in reqs)
+        p.chunk_done(reqs[0].chunk, reqs[0].source, 1, 0.1, 0.1)
+        assert len(p.next_requests(0.1)) == 1 and p.peer_requests == budget

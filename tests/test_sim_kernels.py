@@ -178,7 +178,7 @@ def test_a_round_walks_the_plan_to_the_first_entry_a_ready_neighbour_holds():
         ptr0 = sim.plan_ptr.copy()
         expect = {}
         for h in hosts:
-            if sim.n_down[h] >= sim.D or ptr0[h] >= sim.K or not sim.plan_ok[h, ptr0[h]]:
+            if sim.n_down[h] >= sim.budget[h] or ptr0[h] >= sim.K or not sim.plan_ok[h, ptr0[h]]:
                 continue
             p, got, src = ptr0[h], -1, -1
             while p < sim.K and sim.plan_ok[h, p] and got < 0:
@@ -194,7 +194,7 @@ def test_a_round_walks_the_plan_to_the_first_entry_a_ready_neighbour_holds():
                     skipped += 1
             expect[h] = (got, p, src)
         plan_ptr = ptr0.copy()
-        h, c, k, tried = kernels.next_entries(hosts, key, sim.n_down, sim.D, sim.plan, sim.plan_ok, plan_ptr,
+        h, c, k, tried = kernels.next_entries(hosts, key, sim.n_down, sim.budget, sim.plan, sim.plan_ok, plan_ptr,
                                               sim.have, sim.pend, sim.nbr, sim.known, sim.slot, sim.same_rack,
                                               sim.rack_rank, sim.rack_size, *sim._reach(now), sim.believed_dead,
                                               sim.backoff,
@@ -212,3 +212,31 @@ def test_the_daemon_never_loads_numba():
     code = ("import sys, peerd.__main__, peerd.daemon, peerd.policy, peerd.job, peerd.server, peerd.choice; "
             "sys.exit('numba' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_an_uploader_takes_a_uniform_random_subset_of_its_requests():
+    """``kernels.ask``: an uploader with F free upload slots and R > F requests takes exactly F of
+    them, each request with chance F/R; the rest hear busy, a dead uploader's requesters back off."""
+    max_uploads, backoff_s, busy_s, now = 8, 1.0, 0.25, 10.0
+    nbr = np.tile([12, 13, 14], (12, 1))                 # hosts 0-11; 12 and 13 upload; 14 is dead
+    h, k, c = np.arange(12), np.array([0] * 10 + [1, 2]), np.arange(12) % 5
+    alive = np.ones(17, bool)
+    alive[14] = False
+    rng = np.random.default_rng(0)
+    taken = np.zeros(12)
+    for _ in range(2000):
+        n_up = np.zeros(17, np.int64)
+        n_up[12] = max_uploads - 3                         # three free slots for ten requests
+        backoff, per_peer = np.zeros((12, 3)), np.zeros((12, 3), np.int64)
+        src = np.full((12, 9), -1, np.int64)
+        chunk, left, nk = np.zeros((12, 9), np.int64), np.zeros((12, 9)), np.zeros((12, 9), np.int64)
+        carry, pend, n_down = np.full(12, 0.25), np.zeros((12, 5), bool), np.zeros(12, np.int64)
+        kernels.ask(h, c, k, now, nbr, alive, max_uploads, backoff_s, busy_s, rng, n_up, backoff, src, chunk, left,
+                    nk, carry, pend, n_down, per_peer)
+        got = src[:, 0] >= 0
+        assert got[:10].sum() == 3 and n_up[12] == max_uploads and got[10] and not got[11] and n_up[13] == 1
+        assert (backoff[:10, 0] == np.where(got[:10], 0, now + busy_s)).all() and backoff[11, 2] == now + backoff_s
+        assert (pend[h[got], c[got]]).all() and pend.sum() == 4 and (n_down == got).all()
+        assert (left[got, 0] == 0.75).all() and (carry[got] == 0).all() and (per_peer[got, k[got]] == 1).all()
+        taken += got
+    assert np.abs(taken[:10] / 2000 - 0.3).max() < 0.05, taken

@@ -103,8 +103,8 @@ def cmd_sim(a) -> int:
     return 0
 
 
-_SIM_POLICY_FLAGS = ("max_inflight", "max_per_peer", "window", "plan_size", "rack_grace_s", "rack_rescue_s",
-                     "max_cross_rack_peers", "origin_spread")
+_SIM_POLICY_FLAGS = ("max_inflight", "seeder_inflight", "max_per_peer", "window", "plan_size", "rack_grace_s",
+                     "rack_rescue_s", "max_cross_rack_peers", "origin_spread")
 _SIM_PEERD_FLAGS = ("max_active_peers", "max_uploads", "have_interval", "dead_after", "stall_after")
 
 

@@ -55,7 +55,7 @@ class FleetSim:
         self.C = C = cfg.chunks
         self.N = N = cfg.hosts
         self.W = W = min(pol.window, C)
-        self.D = pol.max_inflight
+        self.D = pol.max_inflight + pol.seeder_inflight   # peer download slots; slot D is the origin read
         self.ORG = N + 1                                # source index of the origin; N is "nobody"
         self.dt = cfg.chunk / cfg.rate / cfg.steps_per_chunk
         self.lower = cfg.lower_bound_s
@@ -94,6 +94,8 @@ class FleetSim:
         self.n_up = np.zeros(N + 2, np.int64)
         self.load = np.zeros(N + 2)                    # upload load each host last reported
         self.n_down = np.zeros(N, np.int64)            # peer downloads
+        self.budget = np.full(N, pol.max_inflight)     # ... at most (SwarmPolicy.peer_budget)
+        self.budget[self.seeders] += pol.seeder_inflight
         self.per_peer = np.zeros(self.nbr.shape, np.int64)   # my requests in flight to each neighbour
         self.backoff = np.zeros(self.nbr.shape)        # until when a neighbour is not asked
         self.K = K = min(pol.plan_size, cfg.plan_rows, W)
@@ -263,9 +265,9 @@ class FleetSim:
                     self.n_down, self.per_peer)
 
     def _request(self, now: float, replan: bool) -> None:
-        N, W, D = self.N, self.W, self.D
+        N, W = self.N, self.W
         K = self.K
-        hosts = np.flatnonzero(self.alive[:N] & np.isnan(self.done_at) & (self.n_down < D))
+        hosts = np.flatnonzero(self.alive[:N] & np.isnan(self.done_at) & (self.n_down < self.budget))
         if len(hosts) == 0:
             return
         # only the columns below the announced front can hold anything a host may ask for (nobody
@@ -277,9 +279,10 @@ class FleetSim:
             self._rank(stale, w, now)
         for rnd in range(self.cfg.request_rounds):
             # asked, busy or no ready holder: each host is past this entry after the round
-            h, c, k, tried = kernels.next_entries(hosts, self._key(rnd), self.n_down, D, self.plan, self.plan_ok,
-                                                  self.plan_ptr, self.have, self.pend, self.nbr, self.known, self.slot,
-                                                  self.same_rack, self.rack_rank, self.rack_size, *self._reach(now),
+            h, c, k, tried = kernels.next_entries(hosts, self._key(rnd), self.n_down, self.budget, self.plan,
+                                                  self.plan_ok, self.plan_ptr, self.have, self.pend, self.nbr,
+                                                  self.known, self.slot, self.same_rack, self.rack_rank,
+                                                  self.rack_size, *self._reach(now),
                                                   self.believed_dead, self.backoff, self.per_peer, self.load, now,
                                                   self.cfg.policy.max_per_peer)
             if tried == 0:
@@ -289,7 +292,7 @@ class FleetSim:
         # the rarest chunks' holders are all busy: ask an idle neighbour for the rarest chunk it
         # is known to have (SwarmPolicy._peer_first)
         for rnd in range(self.cfg.peer_first_rounds):
-            h = hosts[self.n_down[hosts] < D]
+            h = hosts[self.n_down[hosts] < self.budget[hosts]]
             if len(h) == 0:
                 break
             k = self._pick_source(h, self._key(self.cfg.request_rounds + rnd), now)

@@ -253,17 +253,26 @@ def round_key(seed: int, step: int, rnd: int) -> np.uint64:
 
 
 @njit(inline="always")
-def _best_source(h, c, cross, key, nbr, known, slot, same_rack, believed_dead, backoff, per_peer, load, now,
-                 max_per_peer):
-    """SwarmPolicy._choose_source for host h: among its ready neighbours (``_open``) that are known to
-    hold chunk c (any ready neighbour where c < 0), in its own rack or across where ``cross``, the
-    best ``source_score``; the load stands in for the throughput rank. -1 where there is none."""
-    best, best_j = -np.inf, -1
+def _ready_peers(h, nbr, believed_dead, backoff, per_peer, load, now, max_per_peer, out):
+    """Host h's ready neighbours' positions (``_open``), in order, into ``out``; returns how many.
+    Worked out once a round: a plan walk then reads only these peers' bits."""
+    n = 0
     for j in range(nbr.shape[1]):
+        if _open(h, j, nbr[h, j], now, backoff, per_peer, max_per_peer, believed_dead, load):
+            out[n] = j
+            n += 1
+    return n
+
+
+@njit(inline="always")
+def _best_source(h, c, cross, ready, key, nbr, known, slot, same_rack, per_peer, load):
+    """SwarmPolicy._choose_source for host h: among its ``ready`` neighbours known to hold chunk c
+    (any of them where c < 0), in its own rack or, where ``cross``, in others, the best
+    ``source_score``; the load stands in for the throughput rank. -1 where there is none."""
+    best, best_j = -np.inf, -1
+    for j in ready:
         p, near = nbr[h, j], same_rack[h, j]
-        if not (near or cross) or not _open(h, j, p, now, backoff, per_peer, max_per_peer, believed_dead, load):
-            continue
-        if c >= 0 and not _knows(known, slot, p, c):
+        if not (near or cross) or (c >= 0 and not _knows(known, slot, p, c)):
             continue
         score = _source_score(near, per_peer[h, j], uniform(key, h, j), 0.74 * (1.0 - min(load[p], 1.0)))
         if score > best:
@@ -276,9 +285,11 @@ def pick_sources(rows, key, nbr, known, slot, same_rack, believed_dead, backoff,
                  k_out):
     """For each row, the ready neighbour it would ask now for whatever it offers (SwarmPolicy's
     peer-first source): ``_best_source`` over any chunk; -1 where none is ready."""
+    ready = np.empty((len(rows), nbr.shape[1]), np.int64)
     for i in prange(len(rows)):
-        k_out[i] = _best_source(rows[i], -1, True, key, nbr, known, slot, same_rack, believed_dead, backoff, per_peer,
-                                load, now, max_per_peer)
+        h = rows[i]
+        n = _ready_peers(h, nbr, believed_dead, backoff, per_peer, load, now, max_per_peer, ready[i])
+        k_out[i] = _best_source(h, -1, True, ready[i, :n], key, nbr, known, slot, same_rack, per_peer, load)
 
 
 @njit(cache=True, parallel=True)
@@ -321,14 +332,21 @@ def ask(h, c, k, now, nbr, alive, max_uploads, backoff_s, busy_backoff_s, rng, n
         live[i] = alive[s[i]]
         if not live[i]:
             backoff[h[i], k[i]] = now + backoff_s
-    order = np.flatnonzero(live)
-    order = order[np.argsort(rng.random(len(order)))]   # each uploader takes a random subset
+    asking = np.zeros(len(n_up), np.int64)         # requests each uploader has yet to answer
+    for i in range(len(h)):
+        if live[i]:
+            asking[s[i]] += 1
+    u = rng.random(len(h))
     slots = src.shape[1] - 1                       # the last slot is the origin read's
     taken = np.zeros(len(n_up), np.int64)
-    for i in order:
+    for i in range(len(h)):
+        if not live[i]:
+            continue
         hi, ki, si = h[i], k[i], s[i]
-        if taken[si] >= max_uploads - n_up[si]:
-            backoff[hi, ki] = now + busy_backoff_s
+        free = max_uploads - n_up[si] - taken[si]
+        asking[si] -= 1
+        if u[i] * (asking[si] + 1) >= free:        # selection sampling: a uniform random subset of the
+            backoff[hi, ki] = now + busy_backoff_s    # requests, as many as it has free slots
             continue
         taken[si] += 1
         slot = 0
@@ -356,8 +374,8 @@ def end_flows(hs, ks, d, src, nk, n_up, n_down, per_peer):
 
 
 @njit(cache=True, parallel=True)
-def next_entries(hosts, key, n_down, d, plan, plan_ok, plan_ptr, have, pend, nbr, known, slot, same_rack, rack_rank,
-                 rack_size, backup, reach, believed_dead, backoff, per_peer, load, now, max_per_peer):
+def next_entries(hosts, key, n_down, budget, plan, plan_ok, plan_ptr, have, pend, nbr, known, slot, same_rack,
+                 rack_rank, rack_size, backup, reach, believed_dead, backoff, per_peer, load, now, max_per_peer):
     """One request round (SwarmPolicy.next_requests: "only chunks a ready peer holds are worth a
     look"): each host with a free download slot walks its plan from where it got to, past entries it
     has received or asked for meanwhile and entries no ready neighbour holds (across racks only where
@@ -368,21 +386,22 @@ def next_entries(hosts, key, n_down, d, plan, plan_ok, plan_ptr, have, pend, nbr
     found = np.full(len(hosts), -1, np.int64)
     src = np.full(len(hosts), -1, np.int64)
     walked = np.zeros(len(hosts), np.bool_)
+    ready = np.empty((len(hosts), nbr.shape[1]), np.int64)
     for i in prange(len(hosts)):
         h = hosts[i]
         p = plan_ptr[h]
-        if n_down[h] >= d or p >= k or not plan_ok[h, p]:
+        if n_down[h] >= budget[h] or p >= k or not plan_ok[h, p]:
             continue
         walked[i] = True
         rank, n = rack_rank[h], rack_size[h]
+        n_ready = _ready_peers(h, nbr, believed_dead, backoff, per_peer, load, now, max_per_peer, ready[i])
         while p < k and plan_ok[h, p] and found[i] < 0:
             c = plan[h, p]
             p += 1
             if pend[h, c] or have[h, c]:
                 continue
             cross = _reach_ok((rank - c) % n, n, backup[c], reach[c])
-            j = _best_source(h, c, cross, key, nbr, known, slot, same_rack, believed_dead, backoff, per_peer, load, now,
-                             max_per_peer)
+            j = _best_source(h, c, cross, ready[i, :n_ready], key, nbr, known, slot, same_rack, per_peer, load)
             if j >= 0:
                 found[i], src[i] = c, j
         plan_ptr[h] = p
