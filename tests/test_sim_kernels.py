@@ -100,6 +100,18 @@ def best_by_source_scores(sim, hosts, ready, key):
     return np.where(ready.any(axis=1), np.argmax(score, axis=1), -1)
 
 
+def fresh_lists(sim):
+    """Ready lists not yet looked at this step (``kernels._ready_peers``)."""
+    return np.zeros_like(sim.nbr), np.full(sim.N, -1)
+
+
+def walk(sim, hosts, key, plan_ptr, now, lists):
+    return kernels.next_entries(hosts, key, sim.n_down, sim.budget, sim.plan, sim.plan_ok, plan_ptr, sim.have,
+                                sim.pend, sim.nbr, sim.known, sim.slot, sim.same_rack, sim.rack_rank, sim.rack_size,
+                                *sim._reach(now), sim.believed_dead, sim.backoff, sim.per_peer, sim.load, now,
+                                sim.cfg.policy.max_per_peer, *lists)
+
+
 def ready_peers(sim, hosts, now):
     """SwarmPolicy's ready peers, per cell: believed alive, not backed off, not full, under the cap."""
     peers = sim.nbr[hosts]
@@ -149,7 +161,7 @@ def test_peer_first_sources_are_picked_by_source_scores_with_the_same_draws():
         key = kernels.round_key(5, sim.step, 3)
         k = np.empty(len(hosts), np.int64)
         kernels.pick_sources(hosts, key, sim.nbr, sim.known, sim.slot, sim.same_rack, sim.believed_dead, sim.backoff,
-                             sim.per_peer, sim.load, now, sim.cfg.policy.max_per_peer, k)
+                             sim.per_peer, sim.load, now, sim.cfg.policy.max_per_peer, *fresh_lists(sim), k)
         assert (k == best_by_source_scores(sim, hosts, ready, key)).all()
         picked += int((k >= 0).sum())
     assert picked > 500, picked
@@ -171,7 +183,7 @@ def test_a_round_walks_the_plan_to_the_first_entry_a_ready_neighbour_holds():
     """SwarmPolicy.next_requests looks only at plan entries some ready peer holds, and asks the one
     ``source_scores`` ranks best; the fleet driver's round walks each host's plan the same way (past
     held, asked-for and unreachable entries)."""
-    walked = skipped = 0
+    walked = skipped = rounds = 0
     for sim, now, hosts in states():
         sim._rank(hosts, sim.W, now)                   # fresh plans, as after a bitmap push
         key = kernels.round_key(5, sim.step, 0)
@@ -193,18 +205,21 @@ def test_a_round_walks_the_plan_to_the_first_entry_a_ready_neighbour_holds():
                 else:
                     skipped += 1
             expect[h] = (got, p, src)
-        plan_ptr = ptr0.copy()
-        h, c, k, tried = kernels.next_entries(hosts, key, sim.n_down, sim.budget, sim.plan, sim.plan_ok, plan_ptr,
-                                              sim.have, sim.pend, sim.nbr, sim.known, sim.slot, sim.same_rack,
-                                              sim.rack_rank, sim.rack_size, *sim._reach(now), sim.believed_dead,
-                                              sim.backoff,
-                                              sim.per_peer, sim.load, now, sim.cfg.policy.max_per_peer)
+        plan_ptr, lists = ptr0.copy(), fresh_lists(sim)
+        h, c, k, tried = walk(sim, hosts, key, plan_ptr, now, lists)
         assert tried == len(expect)
         assert {g: (e, j) for g, e, j in zip(h.tolist(), c.tolist(), k.tolist())} == {
             g: (e[0], e[2]) for g, e in expect.items() if e[0] >= 0}
         assert all(plan_ptr[g] == e[1] for g, e in expect.items())
+        # the next round, after these requests, on the lists kept from this one: as if looked at afresh
+        sim._ask(h, c, k, now)
+        key = kernels.round_key(5, sim.step, 1)
+        kept = walk(sim, hosts, key, plan_ptr.copy(), now, lists)
+        again = walk(sim, hosts, key, plan_ptr.copy(), now, fresh_lists(sim))
+        assert all((a == b).all() for a, b in zip(kept[:3], again[:3])) and kept[3] == again[3]
+        rounds += len(kept[0])
         walked += len(expect)
-    assert walked > 1000 and skipped > 100, (walked, skipped)
+    assert walked > 1000 and skipped > 100 and rounds > 200, (walked, skipped, rounds)
 
 
 def test_the_daemon_never_loads_numba():

@@ -98,6 +98,8 @@ class FleetSim:
         self.budget[self.seeders] += pol.seeder_inflight
         self.per_peer = np.zeros(self.nbr.shape, np.int64)   # my requests in flight to each neighbour
         self.backoff = np.zeros(self.nbr.shape)        # until when a neighbour is not asked
+        self.ready = np.zeros(self.nbr.shape, np.int64)   # the neighbours a host may ask this step
+        self.n_ready = np.full(N, -1)                  # (kernels._ready_peers; -1: not looked at yet)
         self.K = K = min(pol.plan_size, cfg.plan_rows, W)
         self.plan = np.zeros((N, K), np.int64)         # each host's ranked chunks, and how far it got
         self.plan_ok = np.zeros((N, K), bool)
@@ -254,7 +256,7 @@ class FleetSim:
         (position; -1 where none is ready)."""
         k = np.empty(len(h), np.int64)
         kernels.pick_sources(h, key, self.nbr, self.known, self.slot, self.same_rack, self.believed_dead, self.backoff,
-                             self.per_peer, self.load, now, self.cfg.policy.max_per_peer, k)
+                             self.per_peer, self.load, now, self.cfg.policy.max_per_peer, self.ready, self.n_ready, k)
         return k
 
     def _ask(self, h: np.ndarray, c: np.ndarray, k: np.ndarray, now: float) -> None:
@@ -277,6 +279,7 @@ class FleetSim:
         stale = hosts if replan else hosts[self.plan_ptr[hosts] >= K]
         if len(stale):
             self._rank(stale, w, now)
+        self.n_ready[:] = -1                           # who is ready: looked at afresh each step
         for rnd in range(self.cfg.request_rounds):
             # asked, busy or no ready holder: each host is past this entry after the round
             h, c, k, tried = kernels.next_entries(hosts, self._key(rnd), self.n_down, self.budget, self.plan,
@@ -284,7 +287,7 @@ class FleetSim:
                                                   self.known, self.slot, self.same_rack, self.rack_rank,
                                                   self.rack_size, *self._reach(now),
                                                   self.believed_dead, self.backoff, self.per_peer, self.load, now,
-                                                  self.cfg.policy.max_per_peer)
+                                                  self.cfg.policy.max_per_peer, self.ready, self.n_ready)
             if tried == 0:
                 break
             if len(h):

@@ -253,14 +253,24 @@ def round_key(seed: int, step: int, rnd: int) -> np.uint64:
 
 
 @njit(inline="always")
-def _ready_peers(h, nbr, believed_dead, backoff, per_peer, load, now, max_per_peer, out):
-    """Host h's ready neighbours' positions (``_open``), in order, into ``out``; returns how many.
-    Worked out once a round: a plan walk then reads only these peers' bits."""
+def _ready_peers(h, nbr, believed_dead, backoff, per_peer, load, now, max_per_peer, ready, n_ready):
+    """Host h's ready neighbours' positions (``_open``), in order, into ``ready[h, :n_ready[h]]``;
+    returns how many. The first round of a step looks at every neighbour (``n_ready[h] < 0``); a
+    later one only at those still on the list: within a step a neighbour only stops being ready
+    (asked up to the cap, or busy)."""
     n = 0
-    for j in range(nbr.shape[1]):
-        if _open(h, j, nbr[h, j], now, backoff, per_peer, max_per_peer, believed_dead, load):
-            out[n] = j
-            n += 1
+    if n_ready[h] < 0:
+        for j in range(nbr.shape[1]):
+            if _open(h, j, nbr[h, j], now, backoff, per_peer, max_per_peer, believed_dead, load):
+                ready[h, n] = j
+                n += 1
+    else:
+        for i in range(n_ready[h]):
+            j = ready[h, i]
+            if _open(h, j, nbr[h, j], now, backoff, per_peer, max_per_peer, believed_dead, load):
+                ready[h, n] = j
+                n += 1
+    n_ready[h] = n
     return n
 
 
@@ -282,14 +292,13 @@ def _best_source(h, c, cross, ready, key, nbr, known, slot, same_rack, per_peer,
 
 @njit(cache=True, parallel=True)
 def pick_sources(rows, key, nbr, known, slot, same_rack, believed_dead, backoff, per_peer, load, now, max_per_peer,
-                 k_out):
+                 ready, n_ready, k_out):
     """For each row, the ready neighbour it would ask now for whatever it offers (SwarmPolicy's
     peer-first source): ``_best_source`` over any chunk; -1 where none is ready."""
-    ready = np.empty((len(rows), nbr.shape[1]), np.int64)
     for i in prange(len(rows)):
         h = rows[i]
-        n = _ready_peers(h, nbr, believed_dead, backoff, per_peer, load, now, max_per_peer, ready[i])
-        k_out[i] = _best_source(h, -1, True, ready[i, :n], key, nbr, known, slot, same_rack, per_peer, load)
+        n = _ready_peers(h, nbr, believed_dead, backoff, per_peer, load, now, max_per_peer, ready, n_ready)
+        k_out[i] = _best_source(h, -1, True, ready[h, :n], key, nbr, known, slot, same_rack, per_peer, load)
 
 
 @njit(cache=True, parallel=True)
@@ -375,7 +384,8 @@ def end_flows(hs, ks, d, src, nk, n_up, n_down, per_peer):
 
 @njit(cache=True, parallel=True)
 def next_entries(hosts, key, n_down, budget, plan, plan_ok, plan_ptr, have, pend, nbr, known, slot, same_rack,
-                 rack_rank, rack_size, backup, reach, believed_dead, backoff, per_peer, load, now, max_per_peer):
+                 rack_rank, rack_size, backup, reach, believed_dead, backoff, per_peer, load, now, max_per_peer, ready,
+                 n_ready):
     """One request round (SwarmPolicy.next_requests: "only chunks a ready peer holds are worth a
     look"): each host with a free download slot walks its plan from where it got to, past entries it
     has received or asked for meanwhile and entries no ready neighbour holds (across racks only where
@@ -386,7 +396,6 @@ def next_entries(hosts, key, n_down, budget, plan, plan_ok, plan_ptr, have, pend
     found = np.full(len(hosts), -1, np.int64)
     src = np.full(len(hosts), -1, np.int64)
     walked = np.zeros(len(hosts), np.bool_)
-    ready = np.empty((len(hosts), nbr.shape[1]), np.int64)
     for i in prange(len(hosts)):
         h = hosts[i]
         p = plan_ptr[h]
@@ -394,14 +403,14 @@ def next_entries(hosts, key, n_down, budget, plan, plan_ok, plan_ptr, have, pend
             continue
         walked[i] = True
         rank, n = rack_rank[h], rack_size[h]
-        n_ready = _ready_peers(h, nbr, believed_dead, backoff, per_peer, load, now, max_per_peer, ready[i])
+        m = _ready_peers(h, nbr, believed_dead, backoff, per_peer, load, now, max_per_peer, ready, n_ready)
         while p < k and plan_ok[h, p] and found[i] < 0:
             c = plan[h, p]
             p += 1
             if pend[h, c] or have[h, c]:
                 continue
             cross = _reach_ok((rank - c) % n, n, backup[c], reach[c])
-            j = _best_source(h, c, cross, ready[i, :n_ready], key, nbr, known, slot, same_rack, per_peer, load)
+            j = _best_source(h, c, cross, ready[h, :m], key, nbr, known, slot, same_rack, per_peer, load)
             if j >= 0:
                 found[i], src[i] = c, j
         plan_ptr[h] = p
