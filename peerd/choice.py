@@ -121,6 +121,14 @@ def source_score(same_rack, mine_inflight, u, rate_rank):
     return same_rack * 4e6 - mine_inflight * 4.0 + u + 2.0 * rate_rank
 
 
+def peer_budget(max_inflight: int, seeder_inflight: int, seeder: bool, seeders_in_rack: int, rack_size: int) -> int:
+    """Peer requests a host keeps in flight. A seeder where seeders are under half its rack keeps
+    ``seeder_inflight`` more: its origin read shares its link, and its rack-mates, the first holders of
+    its fresh chunks, are everyone's most wanted uploaders and answer it busy more often. Where
+    most of the rack seeds no host is special, and more requests in flight only slow each chunk."""
+    return max_inflight + (seeder_inflight if seeder and 2 * seeders_in_rack < rack_size else 0)
+
+
 def cross_rack_ok(dist: np.ndarray, n: np.ndarray, age: np.ndarray, grace_s: float, rescue_s: float) -> np.ndarray:
     """May a host pull these chunks from another rack? ``dist``: the host's distance, in its rack's
     stripe over live members (``n`` of them), from each chunk's importer. The importer (0) may at once;

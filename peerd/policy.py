@@ -18,7 +18,8 @@ from statistics import median
 
 import numpy as np
 
-from peerd.choice import cross_rack_ok, origin_order, origin_owner, rank_window, source_scores, tiebreak_params
+from peerd.choice import (cross_rack_ok, origin_order, origin_owner, peer_budget, rank_window, source_scores,
+                          tiebreak_params)
 
 ORIGIN = "<origin>"
 
@@ -26,8 +27,7 @@ ORIGIN = "<origin>"
 @dataclass(frozen=True)
 class PolicyConfig:
     max_inflight: int = 8          # requests in flight per host
-    seeder_inflight: int = 2       # more for a seeder: its origin read shares its link, and its rack-mates
-                                   # (first to hold its fresh chunks) answer it busy more often
+    seeder_inflight: int = 2       # more for a seeder where seeders are under half its rack (choice.peer_budget)
     max_per_peer: int = 2          # requests in flight to any one peer
     origin_inflight: int = 1       # concurrent origin reads per host (one at a time: the first chunk lands soonest)
     origin_spread: int = 4         # origin reads go block by block, this many stripe positions a block
@@ -118,7 +118,9 @@ class SwarmPolicy:
         self._plan = np.zeros(0, np.int64)
         self._dirty, self._planned_at = True, -math.inf
         self.missing = int(n - self.have.sum())
-        self.peer_budget = self.config.max_inflight + (self.config.seeder_inflight if self.me in self.seeders else 0)
+        rack = set(self.rack_members) | {self.me}
+        self.peer_budget = peer_budget(self.config.max_inflight, self.config.seeder_inflight, self.me in self.seeders,
+                                       len(rack & set(self.seeders)), len(rack))
         self._restripe()
 
     # ------------------------------------------------------------ membership and striping

@@ -280,10 +280,12 @@ def test_peer_set_keeps_few_peers_from_other_racks():
 
 
 def test_a_seeder_keeps_more_peer_requests_in_flight():
-    """A seeder's origin read shares its link: it keeps ``seeder_inflight`` more peer requests going."""
+    """A lone seeder in its rack keeps ``seeder_inflight`` more peer requests going (its origin read
+    shares its link); where most of the rack seeds, nobody does."""
     cfg = PolicyConfig(random_first=0, max_inflight=4, max_per_peer=1, seeder_inflight=2)
-    for seeders, budget in [(("me", "s2"), 6), (("s1", "s2"), 4)]:
-        p = pol(30, seeders=seeders, config=cfg)
+    rack = ("me", "s2", "h3", "h4", "h5")
+    for seeders, budget in [(("me", "s2"), 6), (("s1", "s2"), 4), (("me", "s2", "h3"), 4)]:
+        p = pol(30, seeders=seeders, rack_members=rack, config=cfg)
         for i in range(10):
             p.peer_bitmap(f"p{i}", np.ones(30, bool), 0)
         reqs = p.next_requests(0)

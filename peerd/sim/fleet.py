@@ -27,7 +27,7 @@ from dataclasses import asdict
 
 import numpy as np
 
-from peerd.choice import cross_rack_ok, import_reach, origin_order, origin_owner, tiebreak_params
+from peerd.choice import cross_rack_ok, import_reach, origin_order, origin_owner, peer_budget, tiebreak_params
 from peerd.sim import kernels
 from peerd.sim.config import SimConfig, analytic_baselines
 from peerd.sim.fluid import scale_to_caps
@@ -94,8 +94,11 @@ class FleetSim:
         self.n_up = np.zeros(N + 2, np.int64)
         self.load = np.zeros(N + 2)                    # upload load each host last reported
         self.n_down = np.zeros(N, np.int64)            # peer downloads
-        self.budget = np.full(N, pol.max_inflight)     # ... at most (SwarmPolicy.peer_budget)
-        self.budget[self.seeders] += pol.seeder_inflight
+        seeding = np.zeros(N, bool)                    # ... at most (choice.peer_budget)
+        seeding[self.seeders] = True
+        seeds_in = {r: int(seeding[m].sum()) for r, m in self.by_rack.items()}
+        self.budget = np.array([peer_budget(pol.max_inflight, pol.seeder_inflight, seeding[h], seeds_in[self.rack[h]],
+                                            len(self.by_rack[self.rack[h]])) for h in range(N)])
         self.per_peer = np.zeros(self.nbr.shape, np.int64)   # my requests in flight to each neighbour
         self.backoff = np.zeros(self.nbr.shape)        # until when a neighbour is not asked
         self.ready = np.zeros(self.nbr.shape, np.int64)   # the neighbours a host may ask this step
