@@ -5,10 +5,10 @@ neighbours) rows: as whole-matrix numpy that was ~145 ms a step, most of it temp
 same work in one pass per row, skipping the cells a host already holds or has asked for.
 
 They decide by ``peerd/choice.py``'s rules, compiled from the very functions ``SwarmPolicy`` calls
-(``rarity``, ``tiebreak``, ``reach_ok``, ``source_score``), and draw their random numbers from the
-simulator's generator in the order the numpy code did: compiled, the driver gave bit-identical
-results to the numpy one (four configurations compared byte for byte) before ``next_entries`` began
-walking plans as ``SwarmPolicy`` does. Only the simulator imports this module: peerd never loads numba.
+(``rarity``, ``tiebreak``, ``reach_ok``, ``source_score``). Compiled, the driver first gave
+bit-identical results to the numpy one (four configurations compared byte for byte); since session
+12 the scoring draws are a hash (``uniform``), made only for the neighbours scored, the same for any
+thread count. Only the simulator imports this module: peerd never loads numba.
 """
 from __future__ import annotations
 
