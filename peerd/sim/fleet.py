@@ -29,6 +29,7 @@ import numpy as np
 
 from peerd.choice import cross_rack_ok, import_reach, origin_order, origin_owner, peer_budget, tiebreak_params
 from peerd.sim import kernels
+from peerd.sim.allocator import keep_freed_memory
 from peerd.sim.config import SimConfig, analytic_baselines
 from peerd.sim.fluid import scale_to_caps
 from peerd.sim.topology import build
@@ -133,6 +134,7 @@ class FleetSim:
     def run(self, progress=None) -> dict:
         wall0 = time.monotonic()
         self.threads = kernels.use_idle_cores()
+        keep_freed_memory()
         next_progress = 0.0
         while self.remaining:
             now = self.advance()

@@ -18,30 +18,46 @@ def max_min_rates(src: np.ndarray, dst: np.ndarray, up_cap: np.ndarray, down_cap
     nu, nd, nf = len(up_cap), len(down_cap), len(src)
     r = np.zeros(nf)
     left_u, left_d = up_cap.astype(np.float64), down_cap.astype(np.float64)
-    active = np.ones(nf, np.bool_)
-    inc = np.zeros(nf)
+    n_u, n_d = np.zeros(nu, np.int64), np.zeros(nd, np.int64)
+    for f in range(nf):
+        n_u[src[f]] += 1
+        n_d[dst[f]] += 1
+    share_u, share_d = np.empty(nu), np.empty(nd)
+    used_u, used_d = np.empty(nu), np.empty(nd)
+    active = np.arange(nf)                             # the unfrozen flows, in order
+    na = nf
     for _ in range(rounds):
-        n_u, n_d = np.zeros(nu, np.int64), np.zeros(nd, np.int64)
-        for f in range(nf):
-            if active[f]:
-                n_u[src[f]] += 1
-                n_d[dst[f]] += 1
         # each active flow grows by the smaller of its two links' even split of what is left: a
         # link never overfills, and the scarcer link of each flow fills up this round
-        used_u, used_d = np.zeros(nu), np.zeros(nd)
-        for f in range(nf):
+        for u in range(nu):
+            share_u[u] = left_u[u] / max(n_u[u], 1)
+            used_u[u] = 0.0
+        for d in range(nd):
+            share_d[d] = left_d[d] / max(n_d[d], 1)
+            used_d[d] = 0.0
+        for i in range(na):
+            f = active[i]
             s, d = src[f], dst[f]
-            inc[f] = min(left_u[s] / max(n_u[s], 1), left_d[d] / max(n_d[d], 1)) if active[f] else 0.0
-            r[f] += inc[f]
-            used_u[s] += inc[f]
-            used_d[d] += inc[f]
+            inc = min(share_u[s], share_d[d])
+            r[f] += inc
+            used_u[s] += inc
+            used_d[d] += inc
         left_u -= used_u
         left_d -= used_d
-        still = False
-        for f in range(nf):
-            active[f] = active[f] and left_u[src[f]] > 1e-9 * up_cap[src[f]] and left_d[dst[f]] > 1e-9 * down_cap[dst[f]]
-            still = still or active[f]
-        if not still:
+        # flows on a full link freeze; the rest are next round's, counted on their links
+        n_u[:] = 0
+        n_d[:] = 0
+        m = 0
+        for i in range(na):
+            f = active[i]
+            s, d = src[f], dst[f]
+            if left_u[s] > 1e-9 * up_cap[s] and left_d[d] > 1e-9 * down_cap[d]:
+                active[m] = f
+                m += 1
+                n_u[s] += 1
+                n_d[d] += 1
+        na = m
+        if na == 0:
             break
     return r
 
@@ -61,12 +77,31 @@ def rates_with_priority(src: np.ndarray, dst: np.ndarray, up_cap: np.ndarray, do
                         first: np.ndarray) -> np.ndarray:
     """Fair shares where the ``first`` flows are served before the rest on their downloader's link:
     a seeder's origin reads skip its download queue in peerd (the origin must never idle)."""
-    r = np.zeros(len(src))
-    if first.any():
-        r[first] = max_min_rates(src[first], dst[first], up_cap, down_cap)
-    rest = ~first
-    if rest.any():
-        left_down = down_cap - np.bincount(dst[first], r[first], minlength=len(down_cap))
-        left_up = up_cap - np.bincount(src[first], r[first], minlength=len(up_cap))
-        r[rest] = max_min_rates(src[rest], dst[rest], np.maximum(left_up, 0), np.maximum(left_down, 0))
+    n = len(src)
+    n1 = 0
+    for f in range(n):
+        n1 += first[f]
+    a, b = np.empty(n1, np.int64), np.empty(n - n1, np.int64)     # loops, not masks: ~2 ms a step less
+    i = j = 0
+    for f in range(n):
+        if first[f]:
+            a[i] = f
+            i += 1
+        else:
+            b[j] = f
+            j += 1
+    r = np.zeros(n)
+    used_u, used_d = np.zeros(len(up_cap)), np.zeros(len(down_cap))
+    if n1:
+        r1 = max_min_rates(src[a], dst[a], up_cap, down_cap)
+        for i in range(n1):
+            f = a[i]
+            r[f] = r1[i]
+            used_u[src[f]] += r1[i]
+            used_d[dst[f]] += r1[i]
+    if n - n1:
+        left_u, left_d = np.maximum(up_cap - used_u, 0), np.maximum(down_cap - used_d, 0)
+        r2 = max_min_rates(src[b], dst[b], left_u, left_d)
+        for j in range(n - n1):
+            r[b[j]] = r2[j]
     return r

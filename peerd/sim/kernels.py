@@ -433,11 +433,20 @@ def flow_rates(src, alive, up_cap, down_cap, origin):
             if src[h, k] >= 0:
                 hs[i], ks[i], s[i] = h, k, src[h, k]
                 i += 1
-    live = np.empty(n, np.bool_)
+    n_live = 0
     for i in range(n):
-        live[i] = alive[s[i]]
+        n_live += alive[s[i]]
+    live = np.empty(n_live, np.int64)
+    j = 0
+    for i in range(n):
+        if alive[s[i]]:
+            live[j] = i
+            j += 1
+    s_live = s[live]
+    r_live = rates_with_priority(s_live, hs[live], up_cap, down_cap, s_live == origin)
     r = np.zeros(n)
-    r[live] = rates_with_priority(s[live], hs[live], up_cap, down_cap, s[live] == origin)
+    for j in range(n_live):
+        r[live[j]] = r_live[j]
     return hs, ks, s, r
 
 
