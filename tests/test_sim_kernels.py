@@ -107,7 +107,7 @@ def fresh_lists(sim):
 
 def walk(sim, hosts, key, plan_ptr, now, lists):
     return kernels.next_entries(hosts, key, sim.n_down, sim.budget, sim.plan, sim.plan_ok, plan_ptr, sim.have,
-                                sim.pend, sim.nbr, sim.known, sim.slot, sim.same_rack, sim.rack_rank, sim.rack_size,
+                                sim.pend, sim.nbr, sim.known, sim.nbr_slot, sim.same_rack, sim.rack_rank, sim.rack_size,
                                 *sim._reach(now), sim.believed_dead, sim.backoff, sim.per_peer, sim.load, now,
                                 sim.cfg.policy.max_per_peer, *lists)
 
@@ -160,7 +160,7 @@ def test_peer_first_sources_are_picked_by_source_scores_with_the_same_draws():
         ready = ready_peers(sim, hosts, now)
         key = kernels.round_key(5, sim.step, 3)
         k = np.empty(len(hosts), np.int64)
-        kernels.pick_sources(hosts, key, sim.nbr, sim.known, sim.slot, sim.same_rack, sim.believed_dead, sim.backoff,
+        kernels.pick_sources(hosts, key, sim.nbr, sim.known, sim.nbr_slot, sim.same_rack, sim.believed_dead, sim.backoff,
                              sim.per_peer, sim.load, now, sim.cfg.policy.max_per_peer, *fresh_lists(sim), k)
         assert (k == best_by_source_scores(sim, hosts, ready, key)).all()
         picked += int((k >= 0).sum())

@@ -75,6 +75,7 @@ class FleetSim:
         self.slot, words = kernels.bit_slots(topo.rack, cfg.racks)
         self.known = np.zeros((C + W, words), np.uint64)
         self.known[C:] = np.uint64(2**64 - 1)
+        self.nbr_slot = self.slot[self.nbr]            # each neighbour's bit
         self.pend = np.zeros((N, C + W), bool)         # what it has asked for
         self.nb_cnt = np.zeros((N, C + W), np.uint8)   # neighbours believed alive known to hold each chunk
         self.nb_far = np.zeros((N, C + W), np.uint8)   # ... of them in other racks
@@ -260,7 +261,7 @@ class FleetSim:
         """For each host, the ready neighbour it would ask now for whatever that neighbour offers
         (position; -1 where none is ready)."""
         k = np.empty(len(h), np.int64)
-        kernels.pick_sources(h, key, self.nbr, self.known, self.slot, self.same_rack, self.believed_dead, self.backoff,
+        kernels.pick_sources(h, key, self.nbr, self.known, self.nbr_slot, self.same_rack, self.believed_dead, self.backoff,
                              self.per_peer, self.load, now, self.cfg.policy.max_per_peer, self.ready, self.n_ready, k)
         return k
 
@@ -289,7 +290,7 @@ class FleetSim:
             # asked, busy or no ready holder: each host is past this entry after the round
             h, c, k, tried = kernels.next_entries(hosts, self._key(rnd), self.n_down, self.budget, self.plan,
                                                   self.plan_ok, self.plan_ptr, self.have, self.pend, self.nbr,
-                                                  self.known, self.slot, self.same_rack, self.rack_rank,
+                                                  self.known, self.nbr_slot, self.same_rack, self.rack_rank,
                                                   self.rack_size, *self._reach(now),
                                                   self.believed_dead, self.backoff, self.per_peer, self.load, now,
                                                   self.cfg.policy.max_per_peer, self.ready, self.n_ready)

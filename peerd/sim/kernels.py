@@ -109,6 +109,17 @@ def _usable(h, c, rank, n, nb_cnt, nb_far, backup, reach):
     return cnt
 
 
+@njit(inline="always")
+def _mod_next(c, prev, prev_mod, n):
+    """``c % n`` given ``prev % n`` for an earlier id ``prev`` (-1: none): a step up the ascending
+    missing list adds, where a division per cell was a fifth of the ranking's time."""
+    d = c - prev
+    if prev < 0 or d < 0 or d >= n:
+        return c % n
+    m = prev_mod + d
+    return m - n if m >= n else m
+
+
 @njit(cache=True)
 def add_missing(rows, first, last, miss, miss_n) -> bool:
     """Chunks ``first .. last - 1`` were announced for the first time: every row now lacks them. Each
@@ -147,15 +158,19 @@ def rank_plans(rows, lo, width, miss, miss_n, have, pend, nb_cnt, nb_far, rack_r
     count: the ``plan.shape[1]`` rarest wanted chunks, best first, into ``plan[rows[i]]``; ``plan_ok``
     marks the valid entries. Walks the row's missing list (dropping what it has received since): the
     window's other cells are held, and keys are unique within a window, so the plan is the one a scan
-    of the whole window gives."""
+    of the whole window gives. Two passes: the first counts usable holders and finds the fewest-holders
+    class that fills the plan, the second sorts in only the candidates up to that class (inserting
+    every candidate into the sorted plan was a quarter of the time)."""
     k = plan.shape[1]
     for i in prange(len(rows)):
         h, start = rows[i], lo[i]
         rank, n, off = rack_rank[h], rack_size[h], offset[h]
-        keys = np.empty(k, np.int64)
-        ids = np.empty(k, np.int64)
-        m = 0
+        cand = np.empty(miss_n[h], np.int64)
+        cnts = np.empty(miss_n[h], np.int64)
+        per_cnt = np.zeros(256, np.int64)          # candidates by usable holders (nb_cnt is a uint8)
+        nc = 0
         kept = 0
+        prev, prev_mod = -1, 0
         for j in range(miss_n[h]):
             c = miss[h, j]
             if have[h, c]:
@@ -164,10 +179,36 @@ def rank_plans(rows, lo, width, miss, miss_n, have, pend, nb_cnt, nb_far, rack_r
             kept += 1
             if c >= start + width or pend[h, c] or nb_cnt[h, c] == 0:
                 continue
-            cnt = _usable(h, c, rank, n, nb_cnt, nb_far, backup, reach)
+            cnt = np.int64(nb_cnt[h, c])
+            far = nb_far[h, c]
+            if far > 0:
+                prev_mod = _mod_next(c, prev, prev_mod, n)
+                prev = c
+                dist = rank - prev_mod                 # (rank - c) % n for a rank in 0 .. n - 1
+                if dist < 0:
+                    dist += n
+                if not 0 <= rank < n:
+                    dist = (rank - c) % n
+                if not _reach_ok(dist, n, backup[c], reach[c]):
+                    cnt -= far
             if cnt <= 0:
                 continue
-            key = _rarity(cnt, np.int64(_tiebreak(table, off, c)))
+            cand[nc], cnts[nc] = c, cnt
+            nc += 1
+            per_cnt[cnt] += 1
+        miss_n[h] = kept
+        limit, total = 0, 0                        # the fewest holders that fills the plan (or all)
+        while limit < 255 and total + per_cnt[limit] < k:
+            total += per_cnt[limit]
+            limit += 1
+        keys = np.empty(k, np.int64)
+        ids = np.empty(k, np.int64)
+        m = 0
+        for j in range(nc):
+            if cnts[j] > limit:
+                continue
+            c = cand[j]
+            key = _rarity(cnts[j], np.int64(_tiebreak(table, off, c)))
             if m < k:
                 pos = m
                 m += 1
@@ -179,7 +220,6 @@ def rank_plans(rows, lo, width, miss, miss_n, have, pend, nb_cnt, nb_far, rack_r
                 keys[pos], ids[pos] = keys[pos - 1], ids[pos - 1]
                 pos -= 1
             keys[pos], ids[pos] = key, c
-        miss_n[h] = kept
         for j in range(k):
             plan_ok[h, j] = j < m
             if j < m:
@@ -257,17 +297,18 @@ def _ready_peers(h, nbr, believed_dead, backoff, per_peer, load, now, max_per_pe
     """Host h's ready neighbours' positions (``_open``), in order, into ``ready[h, :n_ready[h]]``;
     returns how many. The first round of a step looks at every neighbour (``n_ready[h] < 0``); a
     later one only at those still on the list: within a step a neighbour only stops being ready
-    (asked up to the cap, or busy)."""
+    (asked up to the cap, or busy), and only by what a round changes: its back-off and the requests
+    in flight to it (liveness is decided before the rounds, loads are reported after)."""
     n = 0
     if n_ready[h] < 0:
         for j in range(nbr.shape[1]):
             if _open(h, j, nbr[h, j], now, backoff, per_peer, max_per_peer, believed_dead, load):
                 ready[h, n] = j
                 n += 1
-    else:
+    else:                                          # liveness and load stay put within a step
         for i in range(n_ready[h]):
             j = ready[h, i]
-            if _open(h, j, nbr[h, j], now, backoff, per_peer, max_per_peer, believed_dead, load):
+            if not (backoff[h, j] > now or per_peer[h, j] >= max_per_peer):
                 ready[h, n] = j
                 n += 1
     n_ready[h] = n
@@ -275,15 +316,22 @@ def _ready_peers(h, nbr, believed_dead, backoff, per_peer, load, now, max_per_pe
 
 
 @njit(inline="always")
-def _best_source(h, c, cross, ready, key, nbr, known, slot, same_rack, per_peer, load):
+def _best_source(h, c, cross, ready, key, nbr, known, nbr_slot, same_rack, per_peer, load):
     """SwarmPolicy._choose_source for host h: among its ``ready`` neighbours known to hold chunk c
     (any of them where c < 0), in its own rack or, where ``cross``, in others, the best
-    ``source_score``; the load stands in for the throughput rank. -1 where there is none."""
+    ``source_score``; the load stands in for the throughput rank. -1 where there is none.
+    ``nbr_slot``: each neighbour's bit in ``known`` (one load less per neighbour looked at)."""
     best, best_j = -np.inf, -1
-    for j in ready:
-        p, near = nbr[h, j], same_rack[h, j]
-        if not (near or cross) or (c >= 0 and not _knows(known, slot, p, c)):
+    for q in range(len(ready)):                    # (an index loop: iterating the slice was slower)
+        j = ready[q]
+        near = same_rack[h, j]
+        if not (near or cross):
             continue
+        if c >= 0:
+            b = nbr_slot[h, j]
+            if ((known[c, b >> 6] >> np.uint64(b & 63)) & np.uint64(1)) == 0:
+                continue
+        p = nbr[h, j]
         score = _source_score(near, per_peer[h, j], uniform(key, h, j), 0.74 * (1.0 - min(load[p], 1.0)))
         if score > best:
             best, best_j = score, j
@@ -291,14 +339,14 @@ def _best_source(h, c, cross, ready, key, nbr, known, slot, same_rack, per_peer,
 
 
 @njit(cache=True, parallel=True)
-def pick_sources(rows, key, nbr, known, slot, same_rack, believed_dead, backoff, per_peer, load, now, max_per_peer,
+def pick_sources(rows, key, nbr, known, nbr_slot, same_rack, believed_dead, backoff, per_peer, load, now, max_per_peer,
                  ready, n_ready, k_out):
     """For each row, the ready neighbour it would ask now for whatever it offers (SwarmPolicy's
     peer-first source): ``_best_source`` over any chunk; -1 where none is ready."""
     for i in prange(len(rows)):
         h = rows[i]
         n = _ready_peers(h, nbr, believed_dead, backoff, per_peer, load, now, max_per_peer, ready, n_ready)
-        k_out[i] = _best_source(h, -1, True, ready[h, :n], key, nbr, known, slot, same_rack, per_peer, load)
+        k_out[i] = _best_source(h, -1, True, ready[h, :n], key, nbr, known, nbr_slot, same_rack, per_peer, load)
 
 
 @njit(cache=True, parallel=True)
@@ -383,7 +431,7 @@ def end_flows(hs, ks, d, src, nk, n_up, n_down, per_peer):
 
 
 @njit(cache=True, parallel=True)
-def next_entries(hosts, key, n_down, budget, plan, plan_ok, plan_ptr, have, pend, nbr, known, slot, same_rack,
+def next_entries(hosts, key, n_down, budget, plan, plan_ok, plan_ptr, have, pend, nbr, known, nbr_slot, same_rack,
                  rack_rank, rack_size, backup, reach, believed_dead, backoff, per_peer, load, now, max_per_peer, ready,
                  n_ready):
     """One request round (SwarmPolicy.next_requests: "only chunks a ready peer holds are worth a
@@ -410,7 +458,7 @@ def next_entries(hosts, key, n_down, budget, plan, plan_ok, plan_ptr, have, pend
             if pend[h, c] or have[h, c]:
                 continue
             cross = _reach_ok((rank - c) % n, n, backup[c], reach[c])
-            j = _best_source(h, c, cross, ready[h, :m], key, nbr, known, slot, same_rack, per_peer, load)
+            j = _best_source(h, c, cross, ready[h, :m], key, nbr, known, nbr_slot, same_rack, per_peer, load)
             if j >= 0:
                 found[i], src[i] = c, j
         plan_ptr[h] = p
