@@ -72,8 +72,8 @@ def test_the_rarest_chunk_a_peer_offers_is_rank_window_over_its_holdings():
                     & sim.knows(peers[:, None], cols) & (cross | ~far[:, None]))
             cand, ok = rank_window(want, np.maximum(usable, 1), lo, sim.tb_a, sim.tb_b[hosts], 1)
             out = np.empty(len(hosts), np.int64)
-            kernels.rarest_offered(hosts, peers, far, lo, W, sim.miss, sim.miss_n, sim.have, sim.pend, sim.known,
-                                   sim.slot, sim.nb_cnt, sim.nb_far, sim.rack_rank, sim.rack_size, *sim._reach(now),
+            kernels.rarest_offered(hosts, peers, far, lo, W, sim.miss, sim.miss_n, sim.have, sim.pend, sim.shown,
+                                   sim.nb_cnt, sim.nb_far, sim.rack_rank, sim.rack_size, *sim._reach(now),
                                    sim.tb_a, sim.tb_b, out)
             assert (out == np.where(ok[:, 0], cand[:, 0], -1)).all()
             found += int(ok.sum())
@@ -246,8 +246,8 @@ def test_an_uploader_takes_a_uniform_random_subset_of_its_requests():
         src = np.full((12, 9), -1, np.int64)
         chunk, left, nk = np.zeros((12, 9), np.int64), np.zeros((12, 9)), np.zeros((12, 9), np.int64)
         carry, pend, n_down = np.full(12, 0.25), np.zeros((12, 5), bool), np.zeros(12, np.int64)
-        kernels.ask(h, c, k, now, nbr, alive, max_uploads, backoff_s, busy_s, rng, n_up, backoff, src, chunk, left,
-                    nk, carry, pend, n_down, per_peer)
+        kernels.ask(h, c, k, now, nbr, alive, max_uploads, backoff_s, busy_s, rng.random(len(h)), n_up, backoff, src,
+                    chunk, left, nk, carry, pend, n_down, per_peer)
         got = src[:, 0] >= 0
         assert got[:10].sum() == 3 and n_up[12] == max_uploads and got[10] and not got[11] and n_up[13] == 1
         assert (backoff[:10, 0] == np.where(got[:10], 0, now + busy_s)).all() and backoff[11, 2] == now + backoff_s

@@ -40,10 +40,10 @@ class _Flows:
     and the source's position in the host's neighbour list."""
 
     def __init__(self, n: int, slots: int):
-        self.src = np.full((n, slots), -1, np.int64)
-        self.chunk = np.zeros((n, slots), np.int64)
+        self.src = np.full((n, slots), -1, np.int32)
+        self.chunk = np.zeros((n, slots), np.int32)
         self.left = np.zeros((n, slots))
-        self.nk = np.zeros((n, slots), np.int64)
+        self.nk = np.zeros((n, slots), np.int8)
 
 
 class FleetSim:
@@ -63,7 +63,7 @@ class FleetSim:
         topo = build(cfg, self.rnd)
         self.rack = np.concatenate([topo.rack, [-1, -2]])
         self.by_rack = {r: np.array(m) for r, m in topo.by_rack.items()}
-        self.nbr = topo.neighbours
+        self.nbr = topo.neighbours.astype(np.int32)   # (narrow: the rounds' rows stay in cache)
         self.same_rack = self.rack[self.nbr] == self.rack[:N, None]
         self.seeders = topo.seeders
         self.deaths = topo.deaths
@@ -75,7 +75,11 @@ class FleetSim:
         self.slot, words = kernels.bit_slots(topo.rack, cfg.racks)
         self.known = np.zeros((C + W, words), np.uint64)
         self.known[C:] = np.uint64(2**64 - 1)
-        self.nbr_slot = self.slot[self.nbr]            # each neighbour's bit
+        self.shown = np.zeros((N + 1, -(-(C + W) // 64)), np.uint64)   # the same, host by host (kernels._shows)
+        pad = np.arange(C, C + W)
+        np.bitwise_or.at(self.shown[N], pad >> 6, np.uint64(1) << (pad & 63).astype(np.uint64))
+        self.shown[:N] = self.shown[N]
+        self.nbr_slot = self.slot[self.nbr].astype(np.int32)   # each neighbour's bit
         self.pend = np.zeros((N, C + W), bool)         # what it has asked for
         self.nb_cnt = np.zeros((N, C + W), np.uint8)   # neighbours believed alive known to hold each chunk
         self.nb_far = np.zeros((N, C + W), np.uint8)   # ... of them in other racks
@@ -101,12 +105,12 @@ class FleetSim:
         seeds_in = {r: int(seeding[m].sum()) for r, m in self.by_rack.items()}
         self.budget = np.array([peer_budget(pol.max_inflight, pol.seeder_inflight, seeding[h], seeds_in[self.rack[h]],
                                             len(self.by_rack[self.rack[h]])) for h in range(N)])
-        self.per_peer = np.zeros(self.nbr.shape, np.int64)   # my requests in flight to each neighbour
+        self.per_peer = np.zeros(self.nbr.shape, np.int16)   # my requests in flight to each neighbour
         self.backoff = np.zeros(self.nbr.shape)        # until when a neighbour is not asked
-        self.ready = np.zeros(self.nbr.shape, np.int64)   # the neighbours a host may ask this step
+        self.ready = np.zeros(self.nbr.shape, np.int8)   # the neighbours a host may ask this step
         self.n_ready = np.full(N, -1)                  # (kernels._ready_peers; -1: not looked at yet)
         self.K = K = min(pol.plan_size, cfg.plan_rows, W)
-        self.plan = np.zeros((N, K), np.int64)         # each host's ranked chunks, and how far it got
+        self.plan = np.zeros((N, K), np.int32)         # each host's ranked chunks, and how far it got
         self.plan_ok = np.zeros((N, K), bool)
         self.plan_ptr = np.full(N, K)
         self.carry = np.zeros(N)                       # share left over by flows that ended mid-step
@@ -126,7 +130,7 @@ class FleetSim:
         self.reached = np.zeros(C, bool)               # chunks some host holds
         self.step, self.next_have, self.announced = 0, cfg.have_interval, True
         self.front = 0                                 # 1 + the highest chunk id ever announced
-        self.miss = np.zeros((N, 2 * W), np.int64)     # chunk ids below the front each host lacks
+        self.miss = np.zeros((N, 2 * W), np.int32)     # chunk ids below the front each host lacks
         self.miss_n = np.zeros(N, np.int64)            # (kernels.add_missing)
         self._reach_at: tuple = (math.nan, None)
         self.threads = 0                               # the parallel loops' threads (run() picks them)
@@ -269,8 +273,8 @@ class FleetSim:
         """Host ``h[i]`` asks its neighbour ``k[i]`` for chunk ``c[i]`` (``kernels.ask``)."""
         fl, pol = self.fl, self.cfg.policy
         kernels.ask(h, c, k, now, self.nbr, self.alive, self.cfg.max_uploads, pol.backoff_s, pol.busy_backoff_s,
-                    self.nrng, self.n_up, self.backoff, fl.src, fl.chunk, fl.left, fl.nk, self.carry, self.pend,
-                    self.n_down, self.per_peer)
+                    self.nrng.random(len(h)), self.n_up, self.backoff, fl.src, fl.chunk, fl.left, fl.nk, self.carry,
+                    self.pend, self.n_down, self.per_peer)
 
     def _request(self, now: float, replan: bool) -> None:
         N, W = self.N, self.W
@@ -311,7 +315,7 @@ class FleetSim:
             cand = np.empty(len(h), np.int64)
             kernels.rarest_offered(h, self.nbr[h, k], ~self.same_rack[h, k], self.lo[h], W, self.miss, self.miss_n,
                                    self.have, self.pend,
-                                   self.known, self.slot, self.nb_cnt, self.nb_far, self.rack_rank, self.rack_size,
+                                   self.shown, self.nb_cnt, self.nb_far, self.rack_rank, self.rack_size,
                                    *self._reach(now), self.tb_a, self.tb_b, cand)
             ok = cand >= 0
             if not ok.any():
@@ -343,33 +347,16 @@ class FleetSim:
                 self.warm_s = now
         if not fin.any():
             return
-        fh, fk = hs[fin], ks[fin]
-        fs, fc = fl.src[fh, fk], fl.chunk[fh, fk]
-        # a flow that ends mid-step: when exactly, and the rest of the step's share goes to the
-        # host's next request (peerd starts it at once; a step boundary must not idle it)
-        over = -fl.left[fh, fk]
-        t_end = now + self.dt * (1 - over / np.maximum(moved[fin], 1e-12))
-        peer = fk < self.D
-        np.add.at(self.carry, fh[peer], np.minimum(over[peer], moved[fin][peer]))
-        self._end_flows(fh, fk)
-        new = ~self.have[fh, fc]
-        fh, fc, fs, t_end = fh[new], fc[new], fs[new], t_end[new]
-        self.have[fh, fc] = True
-        self.pend[fh, fc] = False
-        if np.isnan(self.origin_done):
-            self.reached[fc] = True
-            if self.reached.all():
-                self.origin_done = float(t_end.max())
-        self.count += np.bincount(fh, minlength=N)
-        self.transfers += len(fh)
-        self.origin_reads += int((fs == self.ORG).sum())
-        far = (fs < N) & (self.rack[np.minimum(fs, N)] != self.rack[fh])
-        np.add.at(self.imports, (fc[far], self.rack[fh[far]]), 1)
-        self.announce.append((fh, fc))
-        self._advance_lo(np.unique(fh[fc == self.lo[fh]]))   # only a host's lowest missing chunk moves it
-        last = (self.count[fh] == C) & np.isnan(self.done_at[fh])
-        np.fmax.at(self.done_at, fh[last], t_end[last])
-        self.remaining -= len(np.unique(fh[last]))
+        nh, nc, t_end, from_origin, finished = kernels.deliver(
+            hs, ks, fin, moved, now, self.dt, self.D, N, C, self.ORG, self.rack, fl.src, fl.chunk, fl.left, fl.nk,
+            self.n_up, self.n_down, self.per_peer, self.carry, self.have, self.pend, self.count, self.lo,
+            self.reached, self.imports, self.done_at)
+        if np.isnan(self.origin_done) and len(nh) and self.reached.all():
+            self.origin_done = float(t_end.max())
+        self.transfers += len(nh)
+        self.origin_reads += from_origin
+        self.remaining -= finished
+        self.announce.append((nh, nc))
 
     def _announce(self, now: float) -> None:
         """Bitmap pushes: what hosts finished since the last push becomes known to their neighbours."""
@@ -379,7 +366,7 @@ class FleetSim:
         h = np.concatenate([a for a, _ in self.announce])
         c = np.concatenate([b for _, b in self.announce])
         self.announce.clear()
-        kernels.set_known(self.known, self.slot, h, c)
+        kernels.set_known(self.known, self.slot, self.shown, h, c)
         self._front_to(int(c.max()) + 1)
         np.minimum.at(self.seen, c, now)
         self._reach_at = (math.nan, None)
@@ -408,15 +395,6 @@ class FleetSim:
     def _end_flows(self, hs: np.ndarray, ks: np.ndarray) -> None:
         fl = self.fl
         kernels.end_flows(hs, ks, self.D, fl.src, fl.nk, self.n_up, self.n_down, self.per_peer)
-
-    def _advance_lo(self, hs: np.ndarray) -> None:
-        ar_w = np.arange(self.W)
-        while len(hs):
-            seg = self.have[hs[:, None], self.lo[hs][:, None] + ar_w]
-            first = np.argmin(seg, axis=1)
-            full = seg[np.arange(len(hs)), first]      # every column held: move a whole window on
-            self.lo[hs] = np.minimum(self.lo[hs] + np.where(full, self.W, first), self.C)
-            hs = hs[full & (self.lo[hs] < self.C)]
 
     def _result(self, steps: int, wall_s: float) -> dict:
         cfg, N, C = self.cfg, self.N, self.C

@@ -80,12 +80,21 @@ def bit_slots(rack: np.ndarray, racks: int) -> tuple[np.ndarray, int]:
     return slot, int(start[-1]) // 64 + 1
 
 
+@njit(inline="always")
+def _shows(shown, p, c):
+    """``_knows`` from the host-major copy: ``shown[p]`` is host p's pushed bitmap, one bit per chunk.
+    A scan of one peer's holdings over a window reads a few words of its row, where ``known`` costs a
+    cache line per chunk."""
+    return ((shown[p, c >> 6] >> np.uint64(c & 63)) & np.uint64(1)) != 0
+
+
 @njit(cache=True)
-def set_known(known, slot, hosts, chunks):
-    """Hosts' bitmap pushes arrived: ``hosts[i]`` is known to hold ``chunks[i]``."""
+def set_known(known, slot, shown, hosts, chunks):
+    """Hosts' bitmap pushes arrived: ``hosts[i]`` is known to hold ``chunks[i]`` (in both layouts)."""
     for i in range(len(hosts)):
-        b = slot[hosts[i]]
-        known[chunks[i], b >> 6] |= np.uint64(1) << np.uint64(b & 63)
+        b, c = slot[hosts[i]], chunks[i]
+        known[c, b >> 6] |= np.uint64(1) << np.uint64(b & 63)
+        shown[hosts[i], c >> 6] |= np.uint64(1) << np.uint64(c & 63)
 
 
 @njit(cache=True)
@@ -227,7 +236,7 @@ def rank_plans(rows, lo, width, miss, miss_n, have, pend, nb_cnt, nb_far, rack_r
 
 
 @njit(cache=True, parallel=True)
-def rarest_offered(rows, peers, far, lo, width, miss, miss_n, have, pend, known, slot, nb_cnt, nb_far, rack_rank,
+def rarest_offered(rows, peers, far, lo, width, miss, miss_n, have, pend, shown, nb_cnt, nb_far, rack_rank,
                    rack_size, backup, reach, table, offset, out):
     """SwarmPolicy._peer_first: for each row, the rarest chunk of its window that peer ``peers[i]`` is
     known to hold and the host wants (across racks only where it may pull), ranked by usable holders
@@ -238,7 +247,7 @@ def rarest_offered(rows, peers, far, lo, width, miss, miss_n, have, pend, known,
         best, best_c = _NONE, -1
         for j in range(miss_n[h]):
             c = miss[h, j]
-            if c >= start + width or have[h, c] or pend[h, c] or not _knows(known, slot, s, c):
+            if c >= start + width or have[h, c] or pend[h, c] or not _shows(shown, s, c):
                 continue
             if far[i] and not _reach_ok((rank - c) % n, n, backup[c], reach[c]):
                 continue
@@ -375,46 +384,60 @@ def count_announced(hosts, chunks, nbr, same_rack, believed_dead, n_hosts, nb_cn
                     nb_far[r, by_host[i]] += 1
 
 
-@njit(cache=True)
-def ask(h, c, k, now, nbr, alive, max_uploads, backoff_s, busy_backoff_s, rng, n_up, backoff, src, chunk, left,
+@njit(cache=True, parallel=True)
+def ask(h, c, k, now, nbr, alive, max_uploads, backoff_s, busy_backoff_s, u, n_up, backoff, src, chunk, left,
         nk, carry, pend, n_down, per_peer):
     """Requests (host ``h[i]`` asks neighbour position ``k[i]`` for chunk ``c[i]``), at most one per
     host. A dead neighbour's connection fails (back-off ``backoff_s``); an uploader takes as many as
-    it has free upload slots, in random order, and the rest hear busy (``busy_backoff_s``). A taken
-    request starts in the host's first free slot with the share its last flow left over."""
-    s = np.empty(len(h), np.int64)
-    live = np.empty(len(h), np.bool_)
-    for i in range(len(h)):
+    it has free upload slots, in random order (``u[i]``: request i's draw), and the rest hear busy
+    (``busy_backoff_s``). A taken request starts in the host's first free slot with the share its last
+    flow left over. Uploaders answer in parallel, each its requests in call order: every request
+    writes only its own host's rows, so the result is the one a single pass gives."""
+    n = len(h)
+    s = np.empty(n, np.int64)
+    start = np.zeros(len(n_up) + 1, np.int64)      # live requests grouped by uploader, in call order
+    for i in range(n):
         s[i] = nbr[h[i], k[i]]
-        live[i] = alive[s[i]]
-        if not live[i]:
+        if alive[s[i]]:
+            start[s[i] + 1] += 1
+        else:
             backoff[h[i], k[i]] = now + backoff_s
-    asking = np.zeros(len(n_up), np.int64)         # requests each uploader has yet to answer
-    for i in range(len(h)):
-        if live[i]:
-            asking[s[i]] += 1
-    u = rng.random(len(h))
+    ups = 0
+    for q in range(len(n_up)):
+        ups += start[q + 1] > 0
+        start[q + 1] += start[q]
+    order = np.empty(start[-1], np.int64)
+    fill = start[:-1].copy()
+    up = np.empty(ups, np.int64)
+    ups = 0
+    for i in range(n):
+        if alive[s[i]]:
+            if fill[s[i]] == start[s[i]]:
+                up[ups] = s[i]
+                ups += 1
+            order[fill[s[i]]] = i
+            fill[s[i]] += 1
     slots = src.shape[1] - 1                       # the last slot is the origin read's
-    taken = np.zeros(len(n_up), np.int64)
-    for i in range(len(h)):
-        if not live[i]:
-            continue
-        hi, ki, si = h[i], k[i], s[i]
-        free = max_uploads - n_up[si] - taken[si]
-        asking[si] -= 1
-        if u[i] * (asking[si] + 1) >= free:        # selection sampling: a uniform random subset of the
-            backoff[hi, ki] = now + busy_backoff_s    # requests, as many as it has free slots
-            continue
-        taken[si] += 1
-        slot = 0
-        while slot < slots and src[hi, slot] >= 0:
-            slot += 1
-        src[hi, slot], chunk[hi, slot], left[hi, slot], nk[hi, slot] = si, c[i], 1.0 - carry[hi], ki
-        carry[hi] = 0.0
-        pend[hi, c[i]] = True
-        n_down[hi] += 1
-        per_peer[hi, ki] += 1
-    n_up += taken
+    for q in prange(ups):
+        si = up[q]
+        free = max_uploads - n_up[si]
+        first, last = start[si], start[si + 1]
+        for t in range(first, last):
+            i = order[t]
+            hi, ki = h[i], k[i]
+            if u[i] * (last - t) >= free:          # selection sampling: a uniform random subset of the
+                backoff[hi, ki] = now + busy_backoff_s    # requests, as many as it has free slots
+                continue
+            free -= 1
+            slot = 0
+            while slot < slots and src[hi, slot] >= 0:
+                slot += 1
+            src[hi, slot], chunk[hi, slot], left[hi, slot], nk[hi, slot] = si, c[i], 1.0 - carry[hi], ki
+            carry[hi] = 0.0
+            pend[hi, c[i]] = True
+            n_down[hi] += 1
+            per_peer[hi, ki] += 1
+        n_up[si] = max_uploads - free
 
 
 @njit(cache=True)
@@ -428,6 +451,63 @@ def end_flows(hs, ks, d, src, nk, n_up, n_down, per_peer):
             n_down[h] -= 1
             per_peer[h, nk[h, k]] -= 1
         src[h, k] = -1
+
+
+@njit(cache=True)
+def deliver(hs, ks, fin, moved, now, dt, d, n_hosts, n_chunks, origin, rack, src, chunk, left, nk, n_up, n_down,
+            per_peer, carry, have, pend, count, lo, reached, imports, done_at):
+    """The flows that finished this step (``fin``; ``moved``: each flow's share of it) deliver their
+    chunks: when exactly each ended, the rest of the step's share to the host's next peer request,
+    their slots freed, and for each chunk a host did not already have (two flows may bring the same
+    one) the holdings, counts, cross-rack imports (``imports[chunk, rack]``), lowest missing chunk
+    and finishing time. Returns the new (hosts, chunks), when each arrived, how many came from the
+    origin and how many hosts finished."""
+    idx = np.flatnonzero(fin)
+    m = len(idx)
+    fh, fk = hs[idx], ks[idx]
+    fs, fc, t_end = np.empty(m, np.int64), np.empty(m, np.int64), np.empty(m)
+    for j in range(m):
+        h, k, mv = fh[j], fk[j], moved[idx[j]]
+        fs[j], fc[j] = src[h, k], chunk[h, k]
+        over = -left[h, k]                         # a flow that ends mid-step: when exactly, and the
+        t_end[j] = now + dt * (1.0 - over / max(mv, 1e-12))   # rest goes to the next request (peerd
+        if k < d:                                  # starts it at once; a step boundary must not idle it)
+            carry[h] += min(over, mv)
+    end_flows(fh, fk, d, src, nk, n_up, n_down, per_peer)
+    new = np.empty(m, np.bool_)
+    for j in range(m):
+        new[j] = not have[fh[j], fc[j]]
+    nh, nc, nt, ns = fh[new], fc[new], t_end[new], fs[new]
+    from_origin = 0
+    moves = np.zeros(len(nh), np.bool_)            # only a host's lowest missing chunk moves it on
+    for j in range(len(nh)):
+        h, c = nh[j], nc[j]
+        have[h, c] = True
+        pend[h, c] = False
+        reached[c] = True
+        count[h] += 1
+        from_origin += ns[j] == origin
+        if ns[j] < n_hosts and rack[ns[j]] != rack[h]:
+            imports[c, rack[h]] += 1
+        moves[j] = c == lo[h]
+    for j in range(len(nh)):
+        if moves[j]:
+            h = nh[j]
+            while lo[h] < n_chunks and have[h, lo[h]]:
+                lo[h] += 1
+    last = np.zeros(len(nh), np.bool_)
+    for j in range(len(nh)):
+        last[j] = count[nh[j]] == n_chunks and np.isnan(done_at[nh[j]])
+    finished = 0
+    for j in range(len(nh)):
+        if last[j]:
+            h = nh[j]
+            if np.isnan(done_at[h]):
+                finished += 1
+                done_at[h] = nt[j]
+            else:
+                done_at[h] = max(done_at[h], nt[j])
+    return nh, nc, nt, from_origin, finished
 
 
 @njit(cache=True, parallel=True)
