@@ -45,7 +45,7 @@ def test_plans_are_rank_window_over_the_per_cell_rule():
         want = ~sim.have[hosts[:, None], cols] & ~sim.pend[hosts[:, None], cols]
         cand, ok = rank_window(want, usable, lo, sim.tb_a, sim.tb_b[hosts], sim.K)
         plan, plan_ok = np.zeros_like(sim.plan), np.zeros_like(sim.plan_ok)
-        kernels.rank_plans(hosts, lo, W, sim.miss, sim.miss_n, sim.have, sim.pend, sim.nb_cnt, sim.nb_far,
+        kernels.rank_plans(hosts, lo, W, sim.offered, sim.offered_n, sim.have, sim.pend, sim.nb_cnt, sim.nb_far,
                            sim.rack_rank, sim.rack_size, *sim._reach(now), sim.tb_a, sim.tb_b, plan, plan_ok)
         assert (plan_ok[hosts] == ok).all()
         assert (plan[hosts][ok] == cand[ok]).all()
@@ -72,7 +72,7 @@ def test_the_rarest_chunk_a_peer_offers_is_rank_window_over_its_holdings():
                     & sim.knows(peers[:, None], cols) & (cross | ~far[:, None]))
             cand, ok = rank_window(want, np.maximum(usable, 1), lo, sim.tb_a, sim.tb_b[hosts], 1)
             out = np.empty(len(hosts), np.int64)
-            kernels.rarest_offered(hosts, peers, far, lo, W, sim.miss, sim.miss_n, sim.have, sim.pend, sim.shown,
+            kernels.rarest_offered(hosts, peers, far, lo, W, sim.offered, sim.offered_n, sim.have, sim.pend, sim.shown,
                                    sim.nb_cnt, sim.nb_far, sim.rack_rank, sim.rack_size, *sim._reach(now),
                                    sim.tb_a, sim.tb_b, out)
             assert (out == np.where(ok[:, 0], cand[:, 0], -1)).all()
@@ -135,6 +135,41 @@ def test_what_peers_know_is_what_was_pushed():
     for r in range(sim.cfg.racks):
         lines = np.unique(sim.slot[:sim.N][sim.rack[:sim.N] == r] // 512)
         assert np.isin(lines, sim.slot[:sim.N][sim.rack[:sim.N] != r] // 512).sum() == 0
+
+
+def offered_lists_hold(sim):
+    """Each live unfinished host's offered list is ascending, without repeats, and holds every chunk
+    some neighbour it believes alive is known to hold that it lacks (and, until a ranking drops
+    them, chunks it has received since)."""
+    checked = 0
+    for h in np.flatnonzero(sim.alive[:sim.N] & np.isnan(sim.done_at)):
+        got = sim.offered[h, :sim.offered_n[h]]
+        want = np.flatnonzero((sim.nb_cnt[h, :sim.C] > 0) & ~sim.have[h, :sim.C])
+        assert (np.diff(got) > 0).all()
+        assert (got[~sim.have[h, got]] == want).all()
+        checked += len(want)
+    return checked
+
+
+def test_the_offered_lists_follow_the_pushes_deaths_and_overflows():
+    """``count_announced`` keeps each host's list of what its neighbours offer in step with their
+    bitmap pushes; a neighbour declared dead takes its chunks off (``list_offered``); a list that
+    fills up is rebuilt with room for twice as many. A fleet whose lists start at 4 slots ends
+    exactly as one whose lists never fill. Six neighbours a host and many deaths: a dead neighbour
+    is often the only one known to hold a chunk."""
+    cfg = SimConfig(hosts=120, size=300 * CHUNK, racks=4, fail_fraction=0.3, seed=5, origin_rate=10e9 / 8 / 4,
+                    max_active_peers=6)
+    roomy, tight = FleetSim(cfg), FleetSim(cfg)
+    tight.offered = np.zeros((tight.N, 4), tight.offered.dtype)
+    checked = detected = 0
+    while roomy.remaining and roomy.step < 1500:
+        roomy.advance()
+        tight.advance()
+        if roomy.step % 10 == 0:
+            checked += offered_lists_hold(roomy) + offered_lists_hold(tight)
+            detected = int(roomy.believed_dead.sum())
+    assert checked > 10000 and detected > 20 and tight.offered.shape[1] > 4, (checked, detected)
+    assert (roomy.have == tight.have).all() and (roomy.plan == tight.plan).all()
 
 
 def test_the_draws_are_uniform_and_independent():

@@ -130,8 +130,8 @@ class FleetSim:
         self.reached = np.zeros(C, bool)               # chunks some host holds
         self.step, self.next_have, self.announced = 0, cfg.have_interval, True
         self.front = 0                                 # 1 + the highest chunk id ever announced
-        self.miss = np.zeros((N, 2 * W), np.int32)     # chunk ids below the front each host lacks
-        self.miss_n = np.zeros(N, np.int64)            # (kernels.add_missing)
+        self.offered = np.zeros((N, 2 * W), np.int32)   # chunks a live neighbour is known to hold that the
+        self.offered_n = np.zeros(N, np.int64)          # host lacked then (kernels.count_announced)
         self._reach_at: tuple = (math.nan, None)
         self.threads = 0                               # the parallel loops' threads (run() picks them)
 
@@ -206,6 +206,7 @@ class FleetSim:
             self.nb_cnt[rows, :C] -= held
             far = rows[self.rack[rows] != self.rack[h]]
             self.nb_far[far, :C] -= held
+            self._relist(rows[self.alive[rows]])       # (a count back at zero leaves its list)
             hs, ks = np.nonzero(fl.src == h)
             self.pend[hs, fl.chunk[hs, ks]] = False
             self._end_flows(hs, ks)
@@ -255,7 +256,7 @@ class FleetSim:
 
     def _rank(self, rows: np.ndarray, width: int, now: float) -> None:
         """Re-plan these hosts: the rarest chunks of each one's window by usable holders."""
-        kernels.rank_plans(rows, self.lo[rows], width, self.miss, self.miss_n, self.have, self.pend,
+        kernels.rank_plans(rows, self.lo[rows], width, self.offered, self.offered_n, self.have, self.pend,
                            self.nb_cnt, self.nb_far,
                            self.rack_rank, self.rack_size, *self._reach(now), self.tb_a, self.tb_b,
                            self.plan, self.plan_ok)
@@ -313,7 +314,8 @@ class FleetSim:
             if len(h) == 0:
                 break
             cand = np.empty(len(h), np.int64)
-            kernels.rarest_offered(h, self.nbr[h, k], ~self.same_rack[h, k], self.lo[h], W, self.miss, self.miss_n,
+            kernels.rarest_offered(h, self.nbr[h, k], ~self.same_rack[h, k], self.lo[h], W, self.offered,
+                                   self.offered_n,
                                    self.have, self.pend,
                                    self.shown, self.nb_cnt, self.nb_far, self.rack_rank, self.rack_size,
                                    *self._reach(now), self.tb_a, self.tb_b, cand)
@@ -367,25 +369,23 @@ class FleetSim:
         c = np.concatenate([b for _, b in self.announce])
         self.announce.clear()
         kernels.set_known(self.known, self.slot, self.shown, h, c)
-        self._front_to(int(c.max()) + 1)
+        self.front = max(self.front, int(c.max()) + 1)
         np.minimum.at(self.seen, c, now)
         self._reach_at = (math.nan, None)
-        kernels.count_announced(h, c, self.nbr, self.same_rack, self.believed_dead, self.N, self.nb_cnt, self.nb_far)
+        full = kernels.count_announced(h, c, self.nbr, self.same_rack, self.believed_dead, self.alive, self.have, self.N,
+                                       self.nb_cnt, self.nb_far, self.offered, self.offered_n)
+        if len(full):
+            self._relist(full)
 
     # ------------------------------------------------------------------ bookkeeping
-    def _front_to(self, front: int) -> None:
-        """Chunks up to ``front`` have been announced: every unfinished host lacks the new ones."""
-        if front <= self.front:
-            return
-        rows = np.flatnonzero(self.alive[:self.N] & np.isnan(self.done_at))
-        while not kernels.add_missing(rows, self.front, front, self.miss, self.miss_n):
-            kernels.drop_held(rows, self.miss, self.miss_n, self.have)
-            need = int(self.miss_n.max()) + front - self.front
-            if need > self.miss.shape[1]:              # a host far behind: room for twice as many
-                grown = np.zeros((self.N, 2 * need), self.miss.dtype)
-                grown[:, :self.miss.shape[1]] = self.miss
-                self.miss = grown
-        self.front = front
+    def _relist(self, rows: np.ndarray) -> None:
+        """Rebuild these hosts' offered lists from their counts, with room for twice as many where one
+        is short of it (a host far behind)."""
+        while not kernels.list_offered(rows, self.nb_cnt, self.have, self.C, self.offered, self.offered_n):
+            need = int(((self.nb_cnt[rows, :self.C] > 0) & ~self.have[rows, :self.C]).sum(axis=1).max())
+            grown = np.zeros((self.N, 2 * need), self.offered.dtype)
+            grown[:, :self.offered.shape[1]] = self.offered
+            self.offered = grown
 
     def knows(self, hosts: np.ndarray, chunks: np.ndarray) -> np.ndarray:
         """Is ``hosts`` known to hold ``chunks`` (broadcast together)?"""
