@@ -291,9 +291,10 @@ class FleetSim:
         if len(stale):
             self._rank(stale, w, now)
         self.n_ready[:] = -1                           # who is ready: looked at afresh each step
+        walk = hosts
         for rnd in range(self.cfg.request_rounds):
             # asked, busy or no ready holder: each host is past this entry after the round
-            h, c, k, tried = kernels.next_entries(hosts, self._key(rnd), self.n_down, self.budget, self.plan,
+            h, c, k, tried = kernels.next_entries(walk, self._key(rnd), self.n_down, self.budget, self.plan,
                                                   self.plan_ok, self.plan_ptr, self.have, self.pend, self.nbr,
                                                   self.known, self.nbr_slot, self.same_rack, self.rack_rank,
                                                   self.rack_size, *self._reach(now),
@@ -303,6 +304,7 @@ class FleetSim:
                 break
             if len(h):
                 self._ask(h, c, k, now)
+            walk = h        # the rest ran out of plan or of slots, and neither comes back this step
         # the rarest chunks' holders are all busy: ask an idle neighbour for the rarest chunk it
         # is known to have (SwarmPolicy._peer_first)
         for rnd in range(self.cfg.peer_first_rounds):
@@ -368,9 +370,7 @@ class FleetSim:
         h = np.concatenate([a for a, _ in self.announce])
         c = np.concatenate([b for _, b in self.announce])
         self.announce.clear()
-        kernels.set_known(self.known, self.slot, self.shown, h, c)
-        self.front = max(self.front, int(c.max()) + 1)
-        np.minimum.at(self.seen, c, now)
+        self.front = max(self.front, kernels.set_known(self.known, self.slot, self.shown, self.seen, h, c, now))
         self._reach_at = (math.nan, None)
         full = kernels.count_announced(h, c, self.nbr, self.same_rack, self.believed_dead, self.alive, self.have, self.N,
                                        self.nb_cnt, self.nb_far, self.offered, self.offered_n)

@@ -89,12 +89,18 @@ def _shows(shown, p, c):
 
 
 @njit(cache=True)
-def set_known(known, slot, shown, hosts, chunks):
-    """Hosts' bitmap pushes arrived: ``hosts[i]`` is known to hold ``chunks[i]`` (in both layouts)."""
+def set_known(known, slot, shown, seen, hosts, chunks, now):
+    """Hosts' bitmap pushes arrived at ``now``: ``hosts[i]`` is known to hold ``chunks[i]`` (in both
+    layouts), and ``seen`` keeps each chunk's first announcement. Returns 1 + the highest chunk id
+    announced."""
+    top = 0
     for i in range(len(hosts)):
         b, c = slot[hosts[i]], chunks[i]
         known[c, b >> 6] |= np.uint64(1) << np.uint64(b & 63)
         shown[hosts[i], c >> 6] |= np.uint64(1) << np.uint64(c & 63)
+        seen[c] = min(seen[c], now)
+        top = max(top, c + 1)
+    return top
 
 
 @njit(cache=True)
