@@ -101,8 +101,9 @@ def best_by_source_scores(sim, hosts, ready, key):
 
 
 def fresh_lists(sim):
-    """Ready lists not yet looked at this step (``kernels._ready_peers``)."""
-    return np.zeros_like(sim.nbr), np.full(sim.N, -1)
+    """Ready lists not yet looked at this step (``kernels._ready_peers``), and the neighbour each host
+    asked since (the fleet's own: ``sim._ask`` sets it)."""
+    return np.zeros_like(sim.nbr), np.full(sim.N, -1), sim.asked
 
 
 def walk(sim, hosts, key, plan_ptr, now, lists):
@@ -282,7 +283,7 @@ def test_an_uploader_takes_a_uniform_random_subset_of_its_requests():
         chunk, left, nk = np.zeros((12, 9), np.int64), np.zeros((12, 9)), np.zeros((12, 9), np.int64)
         carry, pend, n_down = np.full(12, 0.25), np.zeros((12, 5), bool), np.zeros(12, np.int64)
         kernels.ask(h, c, k, now, nbr, alive, max_uploads, backoff_s, busy_s, rng.random(len(h)), n_up, backoff, src,
-                    chunk, left, nk, carry, pend, n_down, per_peer)
+                    chunk, left, nk, carry, pend, n_down, per_peer, np.full(12, -1))
         got = src[:, 0] >= 0
         assert got[:10].sum() == 3 and n_up[12] == max_uploads and got[10] and not got[11] and n_up[13] == 1
         assert (backoff[:10, 0] == np.where(got[:10], 0, now + busy_s)).all() and backoff[11, 2] == now + backoff_s

@@ -109,6 +109,7 @@ class FleetSim:
         self.backoff = np.zeros(self.nbr.shape)        # until when a neighbour is not asked
         self.ready = np.zeros(self.nbr.shape, np.int8)   # the neighbours a host may ask this step
         self.n_ready = np.full(N, -1)                  # (kernels._ready_peers; -1: not looked at yet)
+        self.asked = np.full(N, -1)                    # the neighbour each host asked since (kernels.ask)
         self.K = K = min(pol.plan_size, cfg.plan_rows, W)
         self.plan = np.zeros((N, K), np.int32)         # each host's ranked chunks, and how far it got
         self.plan_ok = np.zeros((N, K), bool)
@@ -267,7 +268,8 @@ class FleetSim:
         (position; -1 where none is ready)."""
         k = np.empty(len(h), np.int64)
         kernels.pick_sources(h, key, self.nbr, self.known, self.nbr_slot, self.same_rack, self.believed_dead, self.backoff,
-                             self.per_peer, self.load, now, self.cfg.policy.max_per_peer, self.ready, self.n_ready, k)
+                             self.per_peer, self.load, now, self.cfg.policy.max_per_peer, self.ready, self.n_ready,
+                             self.asked, k)
         return k
 
     def _ask(self, h: np.ndarray, c: np.ndarray, k: np.ndarray, now: float) -> None:
@@ -275,7 +277,7 @@ class FleetSim:
         fl, pol = self.fl, self.cfg.policy
         kernels.ask(h, c, k, now, self.nbr, self.alive, self.cfg.max_uploads, pol.backoff_s, pol.busy_backoff_s,
                     self.nrng.random(len(h)), self.n_up, self.backoff, fl.src, fl.chunk, fl.left, fl.nk, self.carry,
-                    self.pend, self.n_down, self.per_peer)
+                    self.pend, self.n_down, self.per_peer, self.asked)
 
     def _request(self, now: float, replan: bool) -> None:
         N, W = self.N, self.W
@@ -299,7 +301,8 @@ class FleetSim:
                                                   self.known, self.nbr_slot, self.same_rack, self.rack_rank,
                                                   self.rack_size, *self._reach(now),
                                                   self.believed_dead, self.backoff, self.per_peer, self.load, now,
-                                                  self.cfg.policy.max_per_peer, self.ready, self.n_ready)
+                                                  self.cfg.policy.max_per_peer, self.ready, self.n_ready,
+                                                  self.asked)
             if tried == 0:
                 break
             if len(h):

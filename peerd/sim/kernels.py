@@ -298,26 +298,31 @@ def round_key(seed: int, step: int, rnd: int) -> np.uint64:
 
 
 @njit(inline="always")
-def _ready_peers(h, nbr, believed_dead, backoff, per_peer, load, now, max_per_peer, ready, n_ready):
+def _ready_peers(h, nbr, believed_dead, backoff, per_peer, load, now, max_per_peer, ready, n_ready, asked):
     """Host h's ready neighbours' positions (``_open``), in order, into ``ready[h, :n_ready[h]]``;
     returns how many. The first round of a step looks at every neighbour (``n_ready[h] < 0``); a
-    later one only at those still on the list: within a step a neighbour only stops being ready
-    (asked up to the cap, or busy), and only by what a round changes: its back-off and the requests
-    in flight to it (liveness is decided before the rounds, loads are reported after)."""
-    n = 0
+    later one only at the neighbour it asked since (``asked[h]``, set by ``ask``; -1: none): within a
+    step a neighbour only stops being ready (asked up to the cap, or busy), and only by what a round
+    changes: the back-off of, and the requests in flight to, the neighbour asked (liveness is decided
+    before the rounds, loads are reported after)."""
     if n_ready[h] < 0:
+        n = 0
         for j in range(nbr.shape[1]):
             if _open(h, j, nbr[h, j], now, backoff, per_peer, max_per_peer, believed_dead, load):
                 ready[h, n] = j
                 n += 1
-    else:                                          # liveness and load stay put within a step
-        for i in range(n_ready[h]):
-            j = ready[h, i]
-            if not (backoff[h, j] > now or per_peer[h, j] >= max_per_peer):
-                ready[h, n] = j
-                n += 1
-    n_ready[h] = n
-    return n
+        n_ready[h] = n
+    elif asked[h] >= 0:
+        j = asked[h]
+        if backoff[h, j] > now or per_peer[h, j] >= max_per_peer:
+            n = 0
+            for i in range(n_ready[h]):
+                if ready[h, i] != j:
+                    ready[h, n] = ready[h, i]
+                    n += 1
+            n_ready[h] = n
+    asked[h] = -1
+    return n_ready[h]
 
 
 @njit(inline="always")
@@ -345,12 +350,12 @@ def _best_source(h, c, cross, ready, key, nbr, known, nbr_slot, same_rack, per_p
 
 @njit(cache=True, parallel=True)
 def pick_sources(rows, key, nbr, known, nbr_slot, same_rack, believed_dead, backoff, per_peer, load, now, max_per_peer,
-                 ready, n_ready, k_out):
+                 ready, n_ready, asked, k_out):
     """For each row, the ready neighbour it would ask now for whatever it offers (SwarmPolicy's
     peer-first source): ``_best_source`` over any chunk; -1 where none is ready."""
     for i in prange(len(rows)):
         h = rows[i]
-        n = _ready_peers(h, nbr, believed_dead, backoff, per_peer, load, now, max_per_peer, ready, n_ready)
+        n = _ready_peers(h, nbr, believed_dead, backoff, per_peer, load, now, max_per_peer, ready, n_ready, asked)
         k_out[i] = _best_source(h, -1, True, ready[h, :n], key, nbr, known, nbr_slot, same_rack, per_peer, load)
 
 
@@ -403,18 +408,20 @@ def count_announced(hosts, chunks, nbr, same_rack, believed_dead, alive, have, n
 
 @njit(cache=True, parallel=True)
 def ask(h, c, k, now, nbr, alive, max_uploads, backoff_s, busy_backoff_s, u, n_up, backoff, src, chunk, left,
-        nk, carry, pend, n_down, per_peer):
+        nk, carry, pend, n_down, per_peer, asked):
     """Requests (host ``h[i]`` asks neighbour position ``k[i]`` for chunk ``c[i]``), at most one per
     host. A dead neighbour's connection fails (back-off ``backoff_s``); an uploader takes as many as
     it has free upload slots, in random order (``u[i]``: request i's draw), and the rest hear busy
     (``busy_backoff_s``). A taken request starts in the host's first free slot with the share its last
     flow left over. Uploaders answer in parallel, each its requests in call order: every request
-    writes only its own host's rows, so the result is the one a single pass gives."""
+    writes only its own host's rows, so the result is the one a single pass gives. ``asked[h]``: the
+    neighbour each host asked (``_ready_peers`` re-checks it)."""
     n = len(h)
     s = np.empty(n, np.int64)
     start = np.zeros(len(n_up) + 1, np.int64)      # live requests grouped by uploader, in call order
     for i in range(n):
         s[i] = nbr[h[i], k[i]]
+        asked[h[i]] = k[i]
         if alive[s[i]]:
             start[s[i] + 1] += 1
         else:
@@ -530,7 +537,7 @@ def deliver(hs, ks, fin, moved, now, dt, d, n_hosts, n_chunks, origin, rack, src
 @njit(cache=True, parallel=True)
 def next_entries(hosts, key, n_down, budget, plan, plan_ok, plan_ptr, have, pend, nbr, known, nbr_slot, same_rack,
                  rack_rank, rack_size, backup, reach, believed_dead, backoff, per_peer, load, now, max_per_peer, ready,
-                 n_ready):
+                 n_ready, asked):
     """One request round (SwarmPolicy.next_requests: "only chunks a ready peer holds are worth a
     look"): each host with a free download slot walks its plan from where it got to, past entries it
     has received or asked for meanwhile and entries no ready neighbour holds (across racks only where
@@ -548,7 +555,7 @@ def next_entries(hosts, key, n_down, budget, plan, plan_ok, plan_ptr, have, pend
             continue
         walked[i] = True
         rank, n = rack_rank[h], rack_size[h]
-        m = _ready_peers(h, nbr, believed_dead, backoff, per_peer, load, now, max_per_peer, ready, n_ready)
+        m = _ready_peers(h, nbr, believed_dead, backoff, per_peer, load, now, max_per_peer, ready, n_ready, asked)
         while p < k and plan_ok[h, p] and found[i] < 0:
             c = plan[h, p]
             p += 1
