@@ -127,7 +127,7 @@ def _usable(h, c, rank, n, nb_cnt, nb_far, backup, reach):
 @njit(inline="always")
 def _mod_next(c, prev, prev_mod, n):
     """``c % n`` given ``prev % n`` for an earlier id ``prev`` (-1: none): a step up the ascending
-    missing list adds, where a division per cell was a fifth of the ranking's time."""
+    offered list adds, where a division per cell was a fifth of the ranking's time."""
     d = c - prev
     if prev < 0 or d < 0 or d >= n:
         return c % n
