@@ -147,7 +147,7 @@ def offered_lists_hold(sim):
         got = sim.offered[h, :sim.offered_n[h]]
         want = np.flatnonzero((sim.nb_cnt[h, :sim.C] > 0) & ~sim.have[h, :sim.C])
         assert (np.diff(got) > 0).all()
-        assert (got[~sim.have[h, got]] == want).all()
+        assert np.array_equal(got[~sim.have[h, got]], want)
         checked += len(want)
     return checked
 

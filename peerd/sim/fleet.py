@@ -375,8 +375,8 @@ class FleetSim:
         self.announce.clear()
         self.front = max(self.front, kernels.set_known(self.known, self.slot, self.shown, self.seen, h, c, now))
         self._reach_at = (math.nan, None)
-        full = kernels.count_announced(h, c, self.nbr, self.same_rack, self.believed_dead, self.alive, self.have, self.N,
-                                       self.nb_cnt, self.nb_far, self.offered, self.offered_n)
+        full = kernels.count_announced(h, c, self.nbr, self.same_rack, self.believed_dead, self.alive, self.have,
+                                       self.N, self.nb_cnt, self.nb_far, self.offered, self.offered_n)
         if len(full):
             self._relist(full)
 

@@ -163,9 +163,10 @@ def rank_plans(rows, lo, width, offered, offered_n, have, pend, nb_cnt, nb_far, 
     count: the ``plan.shape[1]`` rarest wanted chunks, best first, into ``plan[rows[i]]``; ``plan_ok``
     marks the valid entries. Walks the row's offered list (dropping what it has received since): the
     window's other cells are held or have no holder, and keys are unique within a window (the list's
-    order does not matter), so the plan is the one a scan of the whole window gives. Two passes: the first counts usable holders and finds the fewest-holders
-    class that fills the plan, the second sorts in only the candidates up to that class (inserting
-    every candidate into the sorted plan was a quarter of the time)."""
+    order does not matter), so the plan is the one a scan of the whole window gives. Two passes: the
+    first counts usable holders and finds the fewest-holders class that fills the plan, the second
+    sorts in only the candidates up to that class (inserting every candidate into the sorted plan was
+    a quarter of the time)."""
     k = plan.shape[1]
     for i in prange(len(rows)):
         h, start = rows[i], lo[i]
@@ -241,7 +242,7 @@ def rarest_offered(rows, peers, far, lo, width, offered, offered_n, have, pend, 
         h, s, start = rows[i], peers[i], lo[i]
         rank, n, off = rack_rank[h], rack_size[h], offset[h]
         best, best_c = _NONE, -1
-        for j in range(offered_n[h]):                # (what s is known to hold, it offers)
+        for j in range(offered_n[h]):              # (a chunk s is known to hold is on the list)
             c = offered[h, j]
             if c >= start + width or have[h, c] or pend[h, c] or not _shows(shown, s, c):
                 continue
