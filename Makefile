@@ -12,6 +12,9 @@ $(STAMP): pyproject.toml constraints.txt
 	# torch first, pinned: otherwise pip fetches a multi-GB CUDA build
 	$(BIN)/pip install -q -c constraints.txt torch==2.13.0
 	$(BIN)/pip install -q -c constraints.txt -e '.[test]'
+	# compile the simulator's kernels into numba's on-disk cache now (~16 s once), not in the first
+	# `weightcast sim` a user times
+	$(BIN)/weightcast sim --hosts 100 --size 2GB --json > /dev/null 2>&1
 	touch $(STAMP)
 
 bootstrap: $(STAMP)
