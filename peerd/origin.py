@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from aiobotocore.session import get_session
 from botocore.config import Config
+from botocore.exceptions import ClientError
 
 from peerd.manifest import HASH_ALGORITHM, ChunkHasher, Manifest, assemble, safe_relative_path
 
@@ -126,10 +127,23 @@ class S3Origin:
         await self._client.put_object(Bucket=self.spec.bucket, Key=key, Body=data)
 
     async def ensure_bucket(self) -> None:
+        """Create the bucket unless it exists. Another creator may win the race between our
+        HEAD and CREATE (weed mini's own -bucket does, at start-up): that is success too."""
         try:
             await self._client.head_bucket(Bucket=self.spec.bucket)
-        except Exception:
+            return
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code") not in ("404", "NoSuchBucket", "NotFound"):
+                raise OriginError(f"cannot check bucket {self.spec.bucket!r}: {e}") from e
+        except Exception as e:  # connection and endpoint errors: the origin is unreachable
+            raise OriginError(f"cannot reach the origin at {self.spec.endpoint}: {e}") from e
+        try:
             await self._client.create_bucket(Bucket=self.spec.bucket)
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code") not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                raise OriginError(f"cannot create bucket {self.spec.bucket!r}: {e}") from e
+        except Exception as e:
+            raise OriginError(f"cannot reach the origin at {self.spec.endpoint}: {e}") from e
 
     async def list_files(self) -> list[tuple[str, int]]:
         out = []
