@@ -13,8 +13,8 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install -q -c constraints.txt torch==2.13.0
 	$(BIN)/pip install -q -c constraints.txt -e '.[test]'
 	# compile the simulator's kernels into numba's on-disk cache now (~16 s once), not in the first
-	# `weightcast sim` a user times
-	$(BIN)/weightcast sim --hosts 100 --size 2GB --json > /dev/null 2>&1
+	# `weightcast sim` a user times; its progress lines and any error stay on stderr
+	$(BIN)/weightcast sim --hosts 100 --size 2GB --json > /dev/null
 	touch $(STAMP)
 
 bootstrap: $(STAMP)
