@@ -1,13 +1,13 @@
-"""What a leaner chunk transport could save on the receive side, measured before building it.
+"""The receive side of the chunk path alone: peerd's ``ChunkFetcher`` against aiohttp.
 
 One HTTP server process serves chunk-sized bodies on loopback; this process receives them two ways,
 alternating, and reports its own CPU seconds per GiB for each:
 
-- ``aiohttp``: peerd's receive path today (``FetchJob._from_peer``): ``iter_chunked(256 KiB)``
-  pieces, then one join into a contiguous chunk (what ``write_chunk`` does before hashing and
-  writing);
-- ``buffered_protocol``: an ``asyncio.BufferedProtocol`` that receives straight into one
-  pre-allocated chunk buffer on a kept-alive connection (no StreamReader, no pieces, no join).
+- ``aiohttp``: peerd's receive path until session 17: ``iter_chunked(256 KiB)`` pieces, then one join
+  into a contiguous chunk (what ``write_chunk`` did before hashing and writing);
+- ``chunk_fetch``: peerd's path now (``peerd/chunk_fetch.py``): kept-alive connections whose
+  ``BufferedProtocol`` receives straight into one reused chunk buffer (no stream reader, no pieces,
+  no join).
 
 Each timed request leaves one whole chunk in memory, ready to hash and write; hashing and writing
 are not included (``bench throughput`` measures the whole path). The server's CPU is not counted.
@@ -24,6 +24,8 @@ import time
 
 import aiohttp
 
+from peerd.chunk_fetch import ChunkFetcher
+from peerd.ratelimit import TokenBucket
 from weightcast.stack.ports import free_ports
 
 PIECE = 256 * 1024
@@ -51,49 +53,6 @@ def serve(port: int) -> None:
     web.run_app(app, host="127.0.0.1", port=port, print=None)
 
 
-class _ChunkReceiver(asyncio.BufferedProtocol):
-    """One response at a time on a kept-alive connection, its body received in place."""
-
-    def __init__(self) -> None:
-        self.head = bytearray(64 * 1024)
-        self.head_len = 0
-        self.body = memoryview(bytearray(0))
-        self.pos = 0
-        self.in_body = False
-        self.done: asyncio.Future | None = None
-
-    def expect(self, size: int) -> asyncio.Future:
-        self.body = memoryview(bytearray(size))
-        self.pos = self.head_len = 0
-        self.in_body = False
-        self.done = asyncio.get_running_loop().create_future()
-        return self.done
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        return self.body[self.pos:] if self.in_body else memoryview(self.head)[self.head_len:]
-
-    def buffer_updated(self, nbytes: int) -> None:
-        if self.in_body:
-            self.pos += nbytes
-        else:
-            self.head_len += nbytes
-            end = self.head.find(b"\r\n\r\n", 0, self.head_len)
-            if end < 0:
-                return
-            if not self.head.startswith(b"HTTP/1.1 200"):
-                self.done.set_exception(RuntimeError(bytes(self.head[:end]).decode(errors="replace")))
-                return
-            rest = self.head_len - end - 4            # body bytes that arrived with the head
-            self.body[:rest] = self.head[end + 4:self.head_len]
-            self.pos, self.in_body = rest, True
-        if self.in_body and self.pos == len(self.body) and not self.done.done():
-            self.done.set_result(self.body)
-
-    def connection_lost(self, exc) -> None:
-        if self.done is not None and not self.done.done():
-            self.done.set_exception(ConnectionError(f"connection lost: {exc}"))
-
-
 async def _with_aiohttp(url: str, size: int, count: int) -> None:
     async with aiohttp.ClientSession() as s:
         for _ in range(count):
@@ -103,15 +62,14 @@ async def _with_aiohttp(url: str, size: int, count: int) -> None:
                 raise RuntimeError("short body")
 
 
-async def _with_buffered_protocol(port: int, path: str, size: int, count: int) -> None:
-    transport, proto = await asyncio.get_running_loop().create_connection(_ChunkReceiver, "127.0.0.1", port)
+async def _with_chunk_fetch(port: int, path: str, size: int, count: int) -> None:
+    fetcher = ChunkFetcher({}, TokenBucket(None), stall_after=30.0)
+    into = memoryview(bytearray(size))           # one reused buffer, as peerd's BufferPool hands out
     try:
         for _ in range(count):
-            done = proto.expect(size)
-            transport.write(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
-            await done
+            await fetcher.fetch(f"http://127.0.0.1:{port}", path, into)
     finally:
-        transport.close()
+        fetcher.close()
 
 
 def _cpu() -> float:
@@ -134,7 +92,7 @@ def run_receive_bench(size: int, count: int, rounds: int) -> dict:
                 time.sleep(0.1)
         path = f"/c/{size}"
         ways = {"aiohttp": lambda: _with_aiohttp(f"http://127.0.0.1:{port}{path}", size, count),
-                "buffered_protocol": lambda: _with_buffered_protocol(port, path, size, count)}
+                "chunk_fetch": lambda: _with_chunk_fetch(port, path, size, count)}
         samples: dict[str, list[tuple[float, float]]] = {k: [] for k in ways}
         gib = size * count / 2**30
         for _ in range(rounds):                      # alternating: both see the same machine noise
@@ -151,5 +109,5 @@ def run_receive_bench(size: int, count: int, rounds: int) -> dict:
         out[name] = {"cpu_s_per_gib": round(statistics.median(x for x, _ in s), 3),
                      "cpu_s_per_gib_all": [round(x, 3) for x, _ in s],
                      "mib_per_s": round(statistics.median(y for _, y in s))}
-    out["protocol_over_aiohttp_cpu"] = round(out["buffered_protocol"]["cpu_s_per_gib"] / out["aiohttp"]["cpu_s_per_gib"], 3)
+    out["chunk_fetch_over_aiohttp_cpu"] = round(out["chunk_fetch"]["cpu_s_per_gib"] / out["aiohttp"]["cpu_s_per_gib"], 3)
     return out

@@ -1,11 +1,23 @@
 """`weightcast bench throughput`: what a byte costs in peerd. One peerd serves a version it already
 holds (seeded from the origin before the clock starts) to ``downloaders`` peerd processes at once; no
 rate limit, no origin during the measured transfer (the downloaders are given no origin, so every
-byte comes from the serving peer). Reported per process: MiB/s, and CPU-seconds per GiB moved from
-/proc (user + system of the peerd process alone), against the cost of the manifest's digest alone on
-this machine (the floor a verifying receiver cannot go below): SHA-256, or BLAKE3 with ``--hash blake3``. Timed: from the job submissions to every downloader
-holding the whole version verified and durable (bitmap and files fsync'ed). Put TMPDIR on tmpfs
-(/dev/shm) to measure peerd and not the disk.
+byte comes from the serving peer). Timed: from the job submissions to every downloader holding the
+whole version verified and durable (bitmap and files fsync'ed). Put TMPDIR on tmpfs (/dev/shm) to
+measure peerd and not the disk.
+
+Reported per process: MiB/s, and CPU-seconds per GiB moved from /proc (user + system of the peerd
+process alone), split for a downloader into the stages peerd meters itself
+(``peerd_store_cpu_seconds_total``): ``allocate`` (pre-allocating the version's files), ``hash``
+(the manifest's digest of every byte), ``write`` (pwrite + fdatasync into the store) and ``receive``
+(everything else: the socket reads, the event loop, the policy, gossip). Beside them, measured in the same run on this machine, the floors a
+verifying receiver cannot go below: the digest alone, a bare pwrite of the same bytes into a fresh
+file on the store's filesystem (on a VM's tmpfs this is page allocation more than copying, and it
+varies from run to run), and a bare loopback receive into a resident buffer.
+
+``warm_pages`` (default on): before the clock, the bench writes and frees as many bytes as the
+downloaders will store, on the store's filesystem, so that peerd's writes land on memory the VM's host
+already backs (see the comment in the code); ``write_cold`` in the floors is what that first write cost.
+
 """
 from __future__ import annotations
 
@@ -13,6 +25,9 @@ import asyncio
 import os
 import secrets
 import shutil
+import socket
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -45,8 +60,64 @@ def hash_cpu_s_per_gib(algorithm: str = mf.HASH_ALGORITHM, sample: int = 256 << 
     return (time.process_time() - t0) * GIB / sample
 
 
+def write_cpu_s_per_gib(directory: Path, size: int, piece: int = 4 << 20) -> float:
+    """A bare pwrite of ``size`` bytes from one resident buffer into a fresh, pre-allocated file in
+    ``directory`` (the store's filesystem), as the store writes chunks; the file is removed after.
+    The pre-allocation is not counted (peerd's is its own stage)."""
+    data = os.urandom(piece)
+    path = directory / ".write-floor"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, size)
+        t0 = time.process_time()
+        for off in range(0, size, piece):
+            os.pwrite(fd, data[:min(piece, size - off)], off)
+        os.fdatasync(fd)
+        return (time.process_time() - t0) * GIB / size
+    finally:
+        os.close(fd)
+        path.unlink()
+
+
+_SENDER = """
+import os, socket, sys
+s = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+block, left = os.urandom(4 << 20), int(sys.argv[2])
+while left:
+    left -= s.send(block[:min(left, len(block))])
+s.close()
+"""
+
+
+def receive_cpu_s_per_gib(size: int, piece: int = 4 << 20) -> float:
+    """A bare loopback TCP receive of ``size`` bytes into one resident buffer (recv_into, blocking),
+    from a sender process; this process's CPU only."""
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(1)
+        sender = subprocess.Popen([sys.executable, "-c", _SENDER, str(srv.getsockname()[1]), str(size)])
+        try:
+            conn, _ = srv.accept()
+            buf = memoryview(bytearray(piece))
+            got, t0 = 0, time.process_time()
+            with conn:
+                while got < size:
+                    n = conn.recv_into(buf)
+                    if not n:
+                        raise RuntimeError("the floor's sender stopped early")
+                    got += n
+            return (time.process_time() - t0) * GIB / size
+        finally:
+            sender.wait(30)
+
+
+async def _stage_cpu(client: PeerdClient) -> dict[str, float]:
+    return {stage: await client.metric(f'peerd_store_cpu_seconds_total{{stage="{stage}"}}')
+            for stage in ("allocate", "hash", "write")}
+
+
 async def run_throughput_bench(size: int, chunk: int, downloaders: int, timeout: float = 600.0,
-                               algorithm: str = mf.HASH_ALGORITHM) -> dict:
+                               algorithm: str = mf.HASH_ALGORITHM, warm_pages: bool = True) -> dict:
     work = Path(tempfile.mkdtemp(prefix="wc-tput-"))
     s3 = SeaweedS3(work / "s3").start()
     procs: list[PeerdProc] = []
@@ -75,15 +146,26 @@ async def run_throughput_bench(size: int, chunk: int, downloaders: int, timeout:
                 raise RuntimeError(f"the serving peer could not seed the version: {st.get('error')}")
         s3.stop()                                   # nothing else may feed the downloaders
         await asyncio.sleep(1.0)                    # gossip: every downloader knows the server holds it all
-        cpu0 = {p.id: cpu_seconds(p.proc.pid) for p in procs}
+        floor_sample = min(m.total_size, 256 << 20)     # floors sampled on this machine, before the clock
+        hash_floor = hash_cpu_s_per_gib(algorithm)
+        receive_floor = receive_cpu_s_per_gib(floor_sample)
+        # A VM's memory is backed by its host on first touch: writing pages the guest has not used lately
+        # costs ~10x more (1.9 against 0.17 CPU-s/GiB for the same 4 GiB of pwrites here), charged to
+        # whichever copy touches them. Writing the downloaders' bytes once and freeing them first
+        # leaves the guest holding backed pages, so the clock measures peerd; the cold figure is reported.
+        cold_write = write_cpu_s_per_gib(down[0].store, m.total_size * downloaders) if warm_pages else None
+        write_floor = write_cpu_s_per_gib(down[0].store, floor_sample)
         clients = [PeerdClient(p.addr, token) for p in down]
         for c in clients:
             await c.__aenter__()
+        stages0 = [await _stage_cpu(c) for c in clients]
+        cpu0 = {p.id: cpu_seconds(p.proc.pid) for p in procs}
         t0 = time.monotonic()
         await asyncio.gather(*(c.start_job(signed, None, []) for c in clients))
         finals = await asyncio.gather(*(c.wait(m.digest, timeout, poll=0.05) for c in clients))
         wall = time.monotonic() - t0
         cpu = {p.id: cpu_seconds(p.proc.pid) - cpu0[p.id] for p in procs}
+        stages = [{k: v - s0[k] for k, v in (await _stage_cpu(c)).items()} for c, s0 in zip(clients, stages0)]
         for c in clients:
             await c.__aexit__(None, None, None)
         failed = {p.id: st.get("error") for p, st in zip(down, finals) if st["state"] != "complete"}
@@ -91,21 +173,37 @@ async def run_throughput_bench(size: int, chunk: int, downloaders: int, timeout:
         per_down = [{"host": p.id, "seconds": round(st["finished"] - st["started"], 3),
                      "mib_per_s": round(m.total_size / (1 << 20) / max(1e-9, st["finished"] - st["started"]), 1),
                      "cpu_s": round(cpu[p.id], 2), "cpu_s_per_gib_received": round(cpu[p.id] / gib, 2),
+                     "stages_cpu_s_per_gib": {"allocate": round(sg["allocate"] / gib, 2),
+                                              "hash": round(sg["hash"] / gib, 2), "write": round(sg["write"] / gib, 2),
+                                              "receive": round((cpu[p.id] - sum(sg.values())) / gib, 2)},
                      "from_peer_bytes": st["bytes_by_source"]["peer"]}
-                    for p, st in zip(down, finals) if st["state"] == "complete"]
-        hash_floor = hash_cpu_s_per_gib(algorithm)
+                    for p, st, sg in zip(down, finals, stages) if st["state"] == "complete"]
+        mean = lambda key: sum(d["stages_cpu_s_per_gib"][key] for d in per_down) / len(per_down)
+        floors = {"hash": round(hash_floor, 2), "write": round(write_floor, 2), "receive": round(receive_floor, 2),
+                  "sample_bytes": floor_sample, "write_cold": round(cold_write, 2) if warm_pages else None}
         return {"size": m.total_size, "chunk": chunk, "chunks": len(m.chunks), "downloaders": downloaders,
-                "hash_algorithm": algorithm,
+                "hash_algorithm": algorithm, "warm_pages": warm_pages,
                 "wall_s": round(wall, 3), "aggregate_mib_per_s": round(downloaders * m.total_size / (1 << 20) / wall, 1),
                 "server": {"cpu_s": round(cpu["server"], 2),
                            "cpu_s_per_gib_sent": round(cpu["server"] / (gib * downloaders), 2)},
                 "downloaders_detail": per_down, "failed": failed,
                 "hash_cpu_s_per_gib": round(hash_floor, 2),
+                "floors_cpu_s_per_gib": floors,
                 "downloader_cpu_over_hash_floor": round(sum(d["cpu_s_per_gib_received"] for d in per_down)
                                                         / max(1, len(per_down)) / hash_floor, 2) if per_down else None,
+                # each stage against its own floor: what peerd adds on top of the kernel and the digest
+                "downloader_stage_over_floor": {k: round(mean(k) / max(floors[k], 1e-9), 2)
+                                                for k in ("hash", "write", "receive")} if per_down else None,
+                # what is left when the filesystem's own cost (allocating and filling pages) is taken out
+                "downloader_cpu_s_per_gib_without_store_io": round(sum(d["cpu_s_per_gib_received"]
+                                                                       - d["stages_cpu_s_per_gib"]["write"]
+                                                                       - d["stages_cpu_s_per_gib"]["allocate"]
+                                                                       for d in per_down) / len(per_down), 2)
+                if per_down else None,
                 "cores": os.cpu_count(), "tmpdir": tempfile.gettempdir(),
                 "includes": f"submit to every downloader complete: receive, {algorithm} of every byte, pwrite, "
-                            "fdatasync of chunk and bitmap, gossip; CPU of the peerd processes only"}
+                            "fdatasync of chunk and bitmap, gossip; CPU of the peerd processes only; floors "
+                            "sampled in this process before the clock starts"}
     finally:
         for p in procs:
             p.stop()

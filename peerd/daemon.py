@@ -13,6 +13,7 @@ from peerd import manifest as mf
 from peerd.config import PeerdConfig
 from peerd.conn_guard import ConnectionGuard
 from peerd import have_stream
+from peerd.chunk_fetch import ChunkFetcher
 from peerd.http_input import bearer_headers
 from peerd.job import FetchJob
 from peerd.manifest_fetch import fetch_from_origin, pinned_document, verify_named, verify_pinned
@@ -30,9 +31,9 @@ log = logging.getLogger("peerd")
 class Daemon:
     def __init__(self, config: PeerdConfig):
         self.config = config
-        self.store = ChunkStore(config.store)
-        self.trusted = [load_public_key(p) for p in config.trusted_keys]
         self.metrics = PeerdMetrics()
+        self.store = ChunkStore(config.store, cpu_meter=lambda stage, s: self.metrics.store_cpu.labels(stage).inc(s))
+        self.trusted = [load_public_key(p) for p in config.trusted_keys]
         self.jobs: dict[str, FetchJob] = {}
         self.quarantined: dict[str, str] = {}
         self.upload_bucket = TokenBucket(config.upload_rate)
@@ -44,6 +45,8 @@ class Daemon:
         self.addr = config.advertise or ""
         self.membership: Membership | None = None
         self.http: aiohttp.ClientSession | None = None
+        # chunk bytes travel on their own lean connections, received in place (peerd/chunk_fetch.py)
+        self.chunks = ChunkFetcher(bearer_headers(config.token), self.download_bucket, config.stall_after)
         self.have_links = have_stream.HaveLinks(self)
         self._loops: list[asyncio.Task] = []
         self._wake = asyncio.Event()                 # something to push: a finished chunk, a new or finished job
@@ -65,7 +68,6 @@ class Daemon:
         self.membership = Membership(me, self.config.dead_after, max_members=self.config.max_members)
         for p in self.config.seed_peers:
             self.membership.learn(p)
-        self.chunk_timeout = aiohttp.ClientTimeout(total=None, sock_connect=3, sock_read=self.config.stall_after)
         self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=3, sock_read=15),
                                           connector=aiohttp.TCPConnector(limit=256))
         self.s3_session = await warm_session()
@@ -82,6 +84,7 @@ class Daemon:
             t.cancel()
         await asyncio.gather(*self._loops, *[j.task for j in self.jobs.values() if j.task], return_exceptions=True)
         await self.have_links.close()       # both sides: open websockets would hold the shutdown
+        self.chunks.close()
         if self.http:
             await self.http.close()
         if self.runner:
@@ -309,3 +312,4 @@ class Daemon:
                 for j in self.jobs.values():
                     j.on_peer_dead(m.id)
             self.metrics.peers_alive.set(len(self.membership.live()))
+            self.chunks.close_idle()

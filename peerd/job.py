@@ -8,11 +8,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from functools import partial
 from typing import TYPE_CHECKING
 
 import aiohttp
 
+from peerd.buffer_pool import BufferPool
 from peerd.choice import origin_slots
+from peerd.chunk_fetch import BadResponse, PeerStatus, WrongLength
 from peerd.manifest import Manifest
 from peerd.origin import OriginError, OriginSpec, S3Origin
 from peerd.policy import ORIGIN, Cancel, Request, SwarmPolicy
@@ -49,6 +52,9 @@ class FetchJob:
         self.last_progress = self.started        # wall time of the last verified chunk (stuck detection)
         self.bytes = {"peer": 0, "origin": 0, "local": 0}
         self.policy: SwarmPolicy | None = None
+        cfg = daemon.config.policy
+        self.buffers = BufferPool(max((c.size for c in self.m.chunks), default=0),
+                                  keep=cfg.max_inflight + cfg.seeder_inflight + 2)
         self._tasks: dict[tuple[int, str], asyncio.Task] = {}
         self._wake = asyncio.Event()
         self._origin: S3Origin | None = None
@@ -222,17 +228,25 @@ class FetchJob:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         reason = None
+        buf = None
         try:
             if r.source == ORIGIN:
-                data, digest = await self._from_origin(c)
+                data = await self._from_origin(c)
             else:
-                data, digest = await self._from_peer(r.source, c)
-            await asyncio.to_thread(self.vs.write_chunk, r.chunk, data, digest)
+                data = buf = self.buffers.take(c.size)
+                await self._from_peer(r.source, c, buf)
+            # hashed and written in a worker thread (hashlib releases the GIL: chunks hash in parallel,
+            # off the loop); a pooled buffer goes back only once that thread is done with it
+            if buf is None:
+                await asyncio.to_thread(self.vs.write_chunk, r.chunk, data)
+            else:
+                buf = None
+                await self.buffers.use_in_thread(data, partial(self.vs.write_chunk, r.chunk))
             self.vs.mark_verified(r.chunk)       # on the loop thread: the only writer of the bitmap
         except asyncio.CancelledError:
             self.policy.chunk_failed(r.chunk, r.source, "cancelled", loop.time())
             raise
-        except ChunkDigestMismatch as e:
+        except (ChunkDigestMismatch, WrongLength) as e:
             reason = "corrupt"
             if r.source == ORIGIN:
                 log.error("origin bytes do not match the signed manifest: %s", e)
@@ -248,10 +262,12 @@ class FetchJob:
         except DiskFullError as e:
             self._fatal = e      # the swarm loop raises it: the job fails as disk_full
             return
-        except (aiohttp.ClientError, asyncio.TimeoutError, OriginError, OSError) as e:
+        except (aiohttp.ClientError, asyncio.TimeoutError, OriginError, OSError, BadResponse, PeerStatus) as e:
             reason = "error"
             log.info("chunk fetch failed", extra={"peer": r.source, "chunk": r.chunk, "error": str(e) or type(e).__name__})
         finally:
+            if buf is not None:      # never handed to a thread: the socket is closed, nothing touches it
+                self.buffers.give(buf)
             self._tasks.pop((r.chunk, r.source), None)
             self._wake.set()
         now = loop.time()
@@ -268,7 +284,7 @@ class FetchJob:
         self._cancel(self.policy.chunk_done(r.chunk, r.source, c.size, now - t0, now))
         self.d.have_news()
 
-    async def _from_origin(self, c) -> tuple[bytes | list[bytes], str | None]:
+    async def _from_origin(self, c) -> bytearray:
         if self.origin_spec is None:
             raise OriginError("no origin configured for this version")
         if self._origin is None:
@@ -278,38 +294,22 @@ class FetchJob:
             await self.d.origin_bucket.acquire(n)
             await self.d.download_bucket.acquire(n, priority=True)
 
-        data = await self._origin.read_range(c.file, c.offset, c.size, on_piece=paced)
-        return data, None                        # hashed in write_chunk's worker thread
+        return await self._origin.read_range(c.file, c.offset, c.size, on_piece=paced)
 
-    async def _from_peer(self, peer_id: str, c) -> tuple[list[bytes], str | None]:
+    async def _from_peer(self, peer_id: str, c, into: memoryview) -> None:
+        """The chunk's bytes from a peer, received in place into ``into`` (peerd/chunk_fetch.py); a
+        silent uploader (its host died mid-upload) is given up after stall_after, not dead_after."""
         member = self.d.membership.members.get(peer_id)
         if member is None:
             raise PeerMissing()
-        url = f"{member.addr}/v1/versions/{self.vs.vid}/chunks/{c.index}"
-        # a silent uploader (its host died mid-upload) is given up after stall_after, not dead_after:
-        # the chunk is asked elsewhere at once (aiohttp stops this clock while our own pacing pauses reading)
-        async with self.d.http.get(url, headers=self.d.auth_headers(), timeout=self.d.chunk_timeout) as resp:
-            if resp.status == 404:
-                raise PeerMissing()
-            if resp.status == 503:
-                raise PeerBusy()
-            if resp.status != 200:
-                raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status,
-                                                  message=f"peer {peer_id} answered {resp.status}")
-            # the pieces as the socket delivered them: no zero-filled buffer and no copy on the event loop;
-            # write_chunk joins and hashes them once in its worker thread (hashlib releases the GIL, so
-            # chunks hash in parallel off the loop) and writes them with one pwrite
-            pieces: list[bytes] = []
-            pos = 0
-            async for piece in resp.content.iter_chunked(256 * 1024):
-                if pos + len(piece) > c.size:
-                    raise ChunkDigestMismatch(f"peer sent more than the chunk's {c.size} bytes")
-                await self.d.download_bucket.acquire(len(piece))
-                pieces.append(piece)
-                pos += len(piece)
-            if pos != c.size:
-                raise aiohttp.ClientPayloadError(f"short chunk: {pos} of {c.size} bytes")
-            return pieces, None
+        try:
+            await self.d.chunks.fetch(member.addr, f"/v1/versions/{self.vs.vid}/chunks/{c.index}", into)
+        except PeerStatus as e:
+            if e.status == 404:
+                raise PeerMissing() from None
+            if e.status == 503:
+                raise PeerBusy() from None
+            raise
 
     # ---------------------------------------------------------------- status
     def status(self) -> dict:

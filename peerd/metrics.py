@@ -33,4 +33,7 @@ class PeerdMetrics:
         self.peers_alive = Gauge("peerd_peers_alive", "Members currently considered alive", registry=r)
         self.job_failures = Counter("peerd_job_failures_total", "Versions whose fetch failed (disk_full, internal...)",
                                     ["code"], registry=r)
+        self.store_cpu = Counter("peerd_store_cpu_seconds_total", "CPU seconds of the store by stage: allocate "
+                                 "(pre-allocating a version's files), hash (checking chunk digests), write (pwrite "
+                                 "and fdatasync of chunk and bitmap)", ["stage"], registry=r)
         self.progress = Gauge("peerd_version_progress_ratio", "Verified fraction of a version", ["version"], registry=r)

@@ -36,6 +36,12 @@ class TokenBucket:
         self._first = _Meter(rate, self.burst) if rate else None    # priority traffic alone
         self._lock = asyncio.Lock()
 
+    def debt(self, n: int) -> float:
+        """Charge ``n`` bytes already received and say how long the reader should pause (0 when
+        unlimited). For a reader that pauses its transport instead of awaiting (peerd/chunk_fetch.py);
+        concurrent readers each pause for the debt they find, so the total rate holds."""
+        return self._all.charge(n) if self.rate else 0.0
+
     async def acquire(self, n: int, priority: bool = False) -> None:
         """Wait until ``n`` bytes may pass. ``priority`` bytes go first: they wait only for earlier
         priority bytes (never above ``rate`` on their own) and the others pay for them (the total rate

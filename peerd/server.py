@@ -150,10 +150,11 @@ def make_app(daemon, *middlewares) -> web.Application:
                 # sendfile in pieces, each paid for in the upload bucket first: concurrent uploads
                 # share the link (as TCP flows would) and the kernel copies, Python does not
                 loop = asyncio.get_running_loop()
+                piece = UPLOAD_PIECE if d.upload_bucket.rate else count   # unpaced: one sendfile a chunk
                 with open(loc.path, "rb") as f:
                     sent = 0
                     while sent < count:
-                        n = min(UPLOAD_PIECE, count - sent)
+                        n = min(piece, count - sent)
                         await d.upload_bucket.acquire(n)
                         transport = request.transport   # None once the requester has gone
                         if transport is None or transport.is_closing():

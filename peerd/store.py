@@ -24,6 +24,8 @@ import logging
 import os
 import shutil
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,9 +67,17 @@ def _fingerprints(files: dict) -> dict[str, tuple[int, int, int]]:
     return {p: (v["size"], v["mtime_ns"], v["ctime_ns"]) for p, v in files.items()}
 
 
+CpuMeter = Callable[[str, float], None]
+
+
+def _no_meter(stage: str, seconds: float) -> None:
+    pass
+
+
 class VersionStore:
-    def __init__(self, root: Path, manifest: Manifest):
+    def __init__(self, root: Path, manifest: Manifest, cpu_meter: CpuMeter = _no_meter):
         self.root = root
+        self.cpu_meter = cpu_meter    # (stage, CPU seconds): "allocate" (pre-allocating files), "hash", "write"
         self.manifest = manifest
         self.vid = manifest.digest
         self.model_dir = root / "model"
@@ -120,7 +130,9 @@ class VersionStore:
             self._fds[f.path] = fd
             try:
                 if f.size and os.fstat(fd).st_size != f.size:
+                    t0 = time.thread_time()
                     os.posix_fallocate(fd, 0, f.size)
+                    self.cpu_meter("allocate", time.thread_time() - t0)
             except OSError as e:
                 _raise_if_enospc(e, f"pre-allocating {p}")
                 raise
@@ -174,23 +186,21 @@ class VersionStore:
         return self._digest_idx
 
     # -- writes
-    def write_chunk(self, index: int, data: bytes | memoryview | list[bytes], digest: str | None = None) -> bool:
+    def write_chunk(self, index: int, data: bytes | bytearray | memoryview) -> bool:
         """Check a chunk against the manifest, write it at its offset and make it and its bitmap byte
         durable. Blocking and thread-safe: call it from a worker thread, then ``mark_verified`` on the
         owner's thread. False when the bit was already set (nothing written).
 
-        ``data`` may be the pieces as they came off the socket: they are joined here, in the calling
-        (worker) thread, so the event loop never copies chunk bytes (one copy and one pwrite beat pwritev
-        of the many small pieces a paced download delivers). ``digest``: the hex digest if the caller
-        already has it; when None it is computed here.
+        ``data`` is any contiguous buffer: a peer's chunk arrives as a view of a pooled receive
+        buffer, hashed and written from where the socket put it (no copy).
         """
         c = self.manifest.chunks[index]
-        if isinstance(data, list):
-            data = b"".join(data)
         if len(data) != c.size:
             raise ChunkDigestMismatch(f"chunk {index}: got {len(data)} bytes, manifest says {c.size}")
-        if digest is None:
-            digest = digests.hexdigest(self.manifest.hash_algorithm, data)
+        t0 = time.thread_time()
+        digest = digests.hexdigest(self.manifest.hash_algorithm, data)
+        t1 = time.thread_time()
+        self.cpu_meter("hash", t1 - t0)
         if digest != c.digest:
             raise ChunkDigestMismatch(f"chunk {index}: digest {digest[:16]}… does not match manifest "
                                       f"{c.digest[:16]}…")
@@ -206,6 +216,8 @@ class VersionStore:
             except OSError as e:
                 _raise_if_enospc(e, f"writing chunk {index}")
                 raise
+            finally:
+                self.cpu_meter("write", time.thread_time() - t1)
         return True
 
     def adopt_chunk(self, index: int) -> bool:
@@ -249,9 +261,9 @@ class VersionStore:
             self.done_chunks += 1
             self.done_bytes += self.manifest.chunks[index].size
 
-    def commit_chunk(self, index: int, data: bytes | memoryview, digest: str | None = None) -> None:
+    def commit_chunk(self, index: int, data: bytes | bytearray | memoryview) -> None:
         """``write_chunk`` then ``mark_verified``, for single-threaded callers (tools, tests)."""
-        self.write_chunk(index, data, digest)
+        self.write_chunk(index, data)
         self.mark_verified(index)
 
     def import_files(self, src: Path) -> int:
@@ -347,8 +359,9 @@ class VersionStore:
 class ChunkStore:
     """All versions on this host, plus the digest index used for delta rollouts."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, cpu_meter: CpuMeter = _no_meter):
         self.root = Path(root)
+        self.cpu_meter = cpu_meter
         (self.root / "versions").mkdir(parents=True, exist_ok=True)
         self.versions: dict[str, VersionStore] = {}
 
@@ -358,7 +371,7 @@ class ChunkStore:
             return self.versions[vid]
         root = self.root / "versions" / vid
         fresh = not root.exists()
-        vs = VersionStore(root, manifest)
+        vs = VersionStore(root, manifest, self.cpu_meter)
         try:
             vs.prepare(signed_manifest, reserve_bytes)
         except (OSError, StoreError) as e:
@@ -399,7 +412,7 @@ class ChunkStore:
             return None
         if len(bits) != len(m.chunks):
             return None
-        vs = VersionStore(d, m)
+        vs = VersionStore(d, m, self.cpu_meter)
         vs.set_bits(bits)
         return vs
 

@@ -161,9 +161,9 @@ def test_bench_throughput_reports_cost_per_byte(capsys):
 def test_bench_receive_compares_both_receive_paths(capsys):
     assert main(["bench", "receive", "--size", "2M", "--count", "3", "--rounds", "2", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
-    for way in ("aiohttp", "buffered_protocol"):
+    for way in ("aiohttp", "chunk_fetch"):
         assert len(r[way]["cpu_s_per_gib_all"]) == 2 and r[way]["cpu_s_per_gib"] > 0 and r[way]["mib_per_s"] > 0
-    assert r["protocol_over_aiohttp_cpu"] > 0
+    assert r["chunk_fetch_over_aiohttp_cpu"] > 0
 
 
 def test_bench_gossip_times_both_push_transports_against_a_real_peerd(capsys, tmp_path, monkeypatch):

@@ -4,6 +4,8 @@ import json
 import aiohttp
 import pytest
 
+from peerd.chunk_fetch import ChunkFetcher, PeerStatus
+from peerd.ratelimit import TokenBucket
 from tests.fleet import TOKEN, Fleet
 
 pytestmark = pytest.mark.asyncio
@@ -101,3 +103,20 @@ async def test_disk_full_is_reported_as_such(tmp_path, seaweed, keys, signed):
         assert st == 200
     finally:
         fleet.stop()
+
+
+async def test_the_chunk_transport_speaks_peerds_api(daemon):
+    """peerd's own chunk client against a real daemon: the token is checked and the daemon's 4xx
+    messages come through."""
+    path = "/v1/versions/" + "0" * 64 + "/chunks/0"
+    view = memoryview(bytearray(10))
+    wrong = ChunkFetcher({"Authorization": "Bearer wrong"}, TokenBucket(None), stall_after=5)
+    with pytest.raises(PeerStatus) as e:
+        await wrong.fetch(daemon, path, view)
+    assert e.value.status == 401 and "token" in e.value.message
+    right = ChunkFetcher(AUTH, TokenBucket(None), stall_after=5)
+    with pytest.raises(PeerStatus) as e:
+        await right.fetch(daemon, path, view)
+    assert e.value.status == 404 and "not stored" in e.value.message
+    wrong.close()
+    right.close()

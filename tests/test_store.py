@@ -1,4 +1,5 @@
 import json
+import os
 
 import numpy as np
 import pytest
@@ -94,22 +95,23 @@ def test_worker_threads_write_but_only_the_owner_sets_bits(tmp_path, signed, che
     assert reopened.complete and reopened.verified_bytes() == m.total_size
 
 
-def test_a_chunk_written_as_the_socket_delivered_it_in_many_pieces(tmp_path, signed, checkpoint):
-    """The receive path hands write_chunk the pieces it read (thousands when a paced download reads
-    small): they are hashed and written back to back, and a corrupted piece is still refused."""
+def test_a_chunk_written_from_a_view_of_a_larger_reused_buffer(tmp_path, signed, checkpoint):
+    """The receive path hands write_chunk a view of a pooled buffer larger than the chunk, still
+    holding an earlier chunk's bytes past the end: exactly the view is hashed and written, and a
+    corrupted view is refused."""
     m, doc = signed
     vs = ChunkStore(tmp_path / "s").open_version(m, json.dumps(doc).encode())
-    c = max(m.chunks, key=lambda c: c.size)
+    c = min((c for c in m.chunks if c.size > 1), key=lambda c: c.size)
     data = chunk_bytes(checkpoint, c)
-    step = max(1, len(data) // 2500)
-    pieces = [data[i:i + step] for i in range(0, len(data), step)]
-    assert len(pieces) > 1024
-    bad = list(pieces)
-    bad[len(bad) // 2] = bytes(len(bad[len(bad) // 2]))
+    buf = bytearray(os.urandom(c.size + 4096))     # stale bytes beyond the chunk
+    view = memoryview(buf)[:c.size]
+    view[:] = data
+    view[c.size // 2] ^= 0xFF
     with pytest.raises(ChunkDigestMismatch):
-        vs.write_chunk(c.index, bad)
-    assert vs.write_chunk(c.index, pieces)
+        vs.write_chunk(c.index, view)
+    view[c.size // 2] ^= 0xFF
+    assert vs.write_chunk(c.index, view)
     vs.mark_verified(c.index)
     with open(vs.model_dir / c.file, "rb") as f:
         f.seek(c.offset)
-        assert f.read(c.size) == data
+        assert f.read(c.size + 1)[:c.size] == data

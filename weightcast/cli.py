@@ -153,7 +153,8 @@ def cmd_bench_allreduce(a) -> int:
 
 def cmd_bench_throughput(a) -> int:
     from bench.throughput import run_throughput_bench
-    res = asyncio.run(run_throughput_bench(a.size, a.chunk, a.downloaders, algorithm=a.hash))
+    res = asyncio.run(run_throughput_bench(a.size, a.chunk, a.downloaders, algorithm=a.hash,
+                                           warm_pages=not a.no_warm_pages))
     print(json.dumps(res, indent=None if a.json else 1))
     return 0 if not res["failed"] else 1
 
@@ -684,6 +685,9 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("--chunk", type=parse_size, default=parse_size("4M"))
     bp.add_argument("--downloaders", type=positive_int, default=1)
     bp.add_argument("--hash", choices=ALGORITHMS, default=mf.HASH_ALGORITHM, help=HASH_HELP)
+    bp.add_argument("--no-warm-pages", action="store_true",
+                    help="skip writing and freeing the downloaders' bytes before the clock (a VM's first touch of "
+                         "memory then lands in peerd's write stage)")
     bp.add_argument("--json", action="store_true")
     bp.set_defaults(fn=cmd_bench_throughput)
 
