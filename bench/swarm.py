@@ -3,6 +3,9 @@
 Every host is rate-limited to R up and down; origin reads are limited to R in total (R / seeders per
 seeding host, as one seed host's link would be). Time runs from the moment all hosts are told to
 fetch (daemons already up and gossiping) to each host holding the whole verified checkpoint.
+Reported besides: the daemons' and the origin's CPU per GiB (from /proc), the daemons' split into the
+stages their stores meter (allocate, hash, write; the rest is "other"), and, with ``warm_pages``,
+what writing the hosts' bytes cost before the clock, on memory the VM had not touched lately.
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ from peerd import digests
 from peerd import manifest as mf
 from peerd.client import PeerdClient
 from peerd.origin import OriginSpec, S3Origin
-from bench.throughput import cpu_seconds
+from bench.throughput import cpu_seconds, stage_cpu, write_cpu_s_per_gib
 from peerd.signing import generate_keypair, load_private_key
 from weightcast.checkpoint_random import write_random_checkpoint
 from weightcast.stack.peerd_proc import PeerdProc, fleet_args
@@ -40,6 +43,7 @@ class SwarmBenchConfig:
     max_uploads: int | None = None         # peerd's --max-uploads (default: peerd's own)
     have_interval: float | None = None     # peerd's --have-interval (default: peerd's own)
     have_stream: bool = True               # False: peerd's --no-have-stream (pushes as HTTP POSTs)
+    warm_pages: bool = True                # write and free the hosts' bytes before the clock (a VM's first touch)
     timeout: float = 600.0
     workdir: Path | None = None            # kept afterwards when given
     checkpoint: Callable[[Path], Path] | None = None   # writes the checkpoint; default random bytes
@@ -98,6 +102,11 @@ async def run_swarm_bench(cfg: SwarmBenchConfig, progress=None) -> dict:
         clients = [PeerdClient(p.addr, token) for p in procs]
         for c in clients:
             await c.__aenter__()
+        # the VM's first touch of memory (bench/throughput.py): write and free what the hosts will store
+        cold_write = write_cpu_s_per_gib(work, m.total_size * cfg.hosts) if cfg.warm_pages else None
+        stages0 = {p.id: await stage_cpu(c) for p, c in zip(procs, clients)}
+        cpu0 = {p.id: cpu_seconds(p.proc.pid) for p in procs}
+        origin_cpu0 = cpu_seconds(s3.proc.pid)
         t0 = time.time()
         await asyncio.gather(*(c.start_job(signed, origin, seeders) for c in clients))
         lower = m.total_size / cfg.rate
@@ -136,11 +145,15 @@ async def run_swarm_bench(cfg: SwarmBenchConfig, progress=None) -> dict:
         survivors = [i for i in ids if i not in killed and i not in crashed]
         wall = time.time() - t0
         # where the machine's CPU went: the daemons' own time (from /proc) and their gossip rate
-        peerd_cpu = sum(cpu_seconds(p.proc.pid) for p in procs if p.id in survivors and p.running)
+        peerd_cpu = sum(cpu_seconds(p.proc.pid) - cpu0[p.id] for p in procs if p.id in survivors and p.running)
+        origin_cpu = cpu_seconds(s3.proc.pid) - origin_cpu0
         gossip_sent = 0.0
+        stages = {"allocate": 0.0, "hash": 0.0, "write": 0.0}
         for p, c in zip(procs, clients):
             if p.id in survivors and p.running:
                 gossip_sent += await c.metric('peerd_gossip_messages_total{direction="sent"}')
+                for k, v in (await stage_cpu(c)).items():
+                    stages[k] += v - stages0[p.id][k]
         quarantined = set()
         for p, c in zip(procs, clients):
             if p.id in survivors and p.id not in corrupt and p.running:
@@ -169,6 +182,16 @@ async def run_swarm_bench(cfg: SwarmBenchConfig, progress=None) -> dict:
                 "corrupt_chunks_accepted": sum(bad for _, bad in checks.values()),
                 "quarantined_by_honest_hosts": sorted(quarantined),
                 "peerd_cores": peerd_cpu / wall, "gossip_sent_per_host_s": gossip_sent / max(len(survivors), 1) / wall,
+                # CPU per GiB: each surviving daemon received (and re-served about) one copy; the origin
+                # (SeaweedFS, one process) served origin_copies of it
+                "peerd_cpu_s_per_gib_received": peerd_cpu / max(1e-9, len(survivors) * m.total_size / 2**30),
+                "peerd_stages_cpu_s_per_gib": {**{k: v / max(1e-9, len(survivors) * m.total_size / 2**30)
+                                                  for k, v in stages.items()},
+                                               "other": (peerd_cpu - sum(stages.values()))
+                                               / max(1e-9, len(survivors) * m.total_size / 2**30)},
+                "warm_pages": cfg.warm_pages, "write_cold_cpu_s_per_gib": cold_write,
+                "origin_cpu_s": origin_cpu,
+                "origin_cpu_s_per_gib_served": origin_cpu / max(1e-9, origin_bytes / 2**30),
                 "machine_cores": os.cpu_count()}
     finally:
         for p in procs:

@@ -111,7 +111,8 @@ def receive_cpu_s_per_gib(size: int, piece: int = 4 << 20) -> float:
             sender.wait(30)
 
 
-async def _stage_cpu(client: PeerdClient) -> dict[str, float]:
+async def stage_cpu(client: PeerdClient) -> dict[str, float]:
+    """The CPU seconds one peerd's store has metered itself, by stage (peerd_store_cpu_seconds_total)."""
     return {stage: await client.metric(f'peerd_store_cpu_seconds_total{{stage="{stage}"}}')
             for stage in ("allocate", "hash", "write")}
 
@@ -158,14 +159,14 @@ async def run_throughput_bench(size: int, chunk: int, downloaders: int, timeout:
         clients = [PeerdClient(p.addr, token) for p in down]
         for c in clients:
             await c.__aenter__()
-        stages0 = [await _stage_cpu(c) for c in clients]
+        stages0 = [await stage_cpu(c) for c in clients]
         cpu0 = {p.id: cpu_seconds(p.proc.pid) for p in procs}
         t0 = time.monotonic()
         await asyncio.gather(*(c.start_job(signed, None, []) for c in clients))
         finals = await asyncio.gather(*(c.wait(m.digest, timeout, poll=0.05) for c in clients))
         wall = time.monotonic() - t0
         cpu = {p.id: cpu_seconds(p.proc.pid) - cpu0[p.id] for p in procs}
-        stages = [{k: v - s0[k] for k, v in (await _stage_cpu(c)).items()} for c, s0 in zip(clients, stages0)]
+        stages = [{k: v - s0[k] for k, v in (await stage_cpu(c)).items()} for c, s0 in zip(clients, stages0)]
         for c in clients:
             await c.__aexit__(None, None, None)
         failed = {p.id: st.get("error") for p, st in zip(down, finals) if st["state"] != "complete"}
@@ -194,6 +195,10 @@ async def run_throughput_bench(size: int, chunk: int, downloaders: int, timeout:
                 # each stage against its own floor: what peerd adds on top of the kernel and the digest
                 "downloader_stage_over_floor": {k: round(mean(k) / max(floors[k], 1e-9), 2)
                                                 for k in ("hash", "write", "receive")} if per_down else None,
+                # a swarm host receives one copy and serves about one: DESIGN.md's per-host figure
+                "host_cpu_s_per_gib_received_and_served": round(
+                    sum(d["cpu_s_per_gib_received"] for d in per_down) / len(per_down)
+                    + cpu["server"] / (gib * downloaders), 2) if per_down else None,
                 # what is left when the filesystem's own cost (allocating and filling pages) is taken out
                 "downloader_cpu_s_per_gib_without_store_io": round(sum(d["cpu_s_per_gib_received"]
                                                                        - d["stages_cpu_s_per_gib"]["write"]

@@ -27,7 +27,7 @@ log = logging.getLogger("peerd.chunk_fetch")
 
 MAX_HEAD = 16 * 1024          # a response head larger than this is refused
 MAX_ERROR_BODY = 64 * 1024    # error bodies (JSON) are read up to this, for the message
-PACED_PIECE = 64 * 1024       # with a download rate, bytes are paid for in pieces of at most this
+PACED_PIECE = 64 * 1024       # with a download rate, bytes are paid for in pieces of about 4 ms, at least this
 IDLE_S = 30.0                 # idle kept-alive connections are closed after this (the server keeps 75 s)
 
 
@@ -84,8 +84,7 @@ class _Conn(asyncio.BufferedProtocol):
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._body is None:                     # reading the head (or a stray byte between responses)
             return memoryview(self._head)[self._head_len:] if self._head_len < MAX_HEAD else memoryview(self._head)
-        end = self._want if not self.bucket.rate else min(self._want, self._pos + PACED_PIECE)
-        return self._body[self._pos:end]
+        return self._body[self._pos:self._pos + self.bucket.piece(PACED_PIECE, self._want - self._pos)]
 
     def buffer_updated(self, nbytes: int) -> None:
         if self._done is None or self._done.done():  # bytes nobody asked for: the connection is unusable

@@ -230,18 +230,15 @@ class FetchJob:
         reason = None
         buf = None
         try:
+            data = buf = self.buffers.take(c.size)
             if r.source == ORIGIN:
-                data = await self._from_origin(c)
+                await self._from_origin(c, buf)
             else:
-                data = buf = self.buffers.take(c.size)
                 await self._from_peer(r.source, c, buf)
             # hashed and written in a worker thread (hashlib releases the GIL: chunks hash in parallel,
-            # off the loop); a pooled buffer goes back only once that thread is done with it
-            if buf is None:
-                await asyncio.to_thread(self.vs.write_chunk, r.chunk, data)
-            else:
-                buf = None
-                await self.buffers.use_in_thread(data, partial(self.vs.write_chunk, r.chunk))
+            # off the loop); the buffer goes back to the pool only once that thread is done with it
+            buf = None
+            await self.buffers.use_in_thread(data, partial(self.vs.write_chunk, r.chunk))
             self.vs.mark_verified(r.chunk)       # on the loop thread: the only writer of the bitmap
         except asyncio.CancelledError:
             self.policy.chunk_failed(r.chunk, r.source, "cancelled", loop.time())
@@ -266,7 +263,7 @@ class FetchJob:
             reason = "error"
             log.info("chunk fetch failed", extra={"peer": r.source, "chunk": r.chunk, "error": str(e) or type(e).__name__})
         finally:
-            if buf is not None:      # never handed to a thread: the socket is closed, nothing touches it
+            if buf is not None:      # never handed to a thread, and its socket is closed: nothing touches it
                 self.buffers.give(buf)
             self._tasks.pop((r.chunk, r.source), None)
             self._wake.set()
@@ -284,7 +281,7 @@ class FetchJob:
         self._cancel(self.policy.chunk_done(r.chunk, r.source, c.size, now - t0, now))
         self.d.have_news()
 
-    async def _from_origin(self, c) -> bytearray:
+    async def _from_origin(self, c, into: memoryview) -> None:
         if self.origin_spec is None:
             raise OriginError("no origin configured for this version")
         if self._origin is None:
@@ -294,7 +291,7 @@ class FetchJob:
             await self.d.origin_bucket.acquire(n)
             await self.d.download_bucket.acquire(n, priority=True)
 
-        return await self._origin.read_range(c.file, c.offset, c.size, on_piece=paced)
+        await self._origin.read_range(c.file, c.offset, into, on_piece=paced)
 
     async def _from_peer(self, peer_id: str, c, into: memoryview) -> None:
         """The chunk's bytes from a peer, received in place into ``into`` (peerd/chunk_fetch.py); a

@@ -66,25 +66,27 @@ class S3Origin:
     async def __aexit__(self, *exc):
         await self._stack.aclose()
 
-    async def read_range(self, path: str, offset: int, size: int, on_piece=None) -> bytearray:
-        """Read ``size`` bytes at ``offset``; ``on_piece(n)`` is awaited per piece (rate limiting)."""
+    async def read_range(self, path: str, offset: int, into: memoryview, on_piece=None) -> None:
+        """Fill ``into`` with the ``len(into)`` bytes at ``offset``; ``on_piece(n)`` is awaited per piece
+        (rate limiting). Each piece is copied once, to its place in ``into``."""
+        size = len(into)
         try:
             resp = await self._client.get_object(Bucket=self.spec.bucket, Key=self.spec.key(path),
                                                  Range=f"bytes={offset}-{offset + size - 1}")
         except Exception as e:  # botocore raises many types; all mean "origin read failed"
             raise OriginError(f"origin read of {path}@{offset}+{size} failed: {e}") from e
-        buf = bytearray()
+        pos = 0
         async with resp["Body"] as body:
-            while len(buf) < size:
-                piece = await body.read(256 * 1024)
+            while pos < size:
+                piece = await body.read(min(256 * 1024, size - pos))
                 if not piece:
                     break
                 if on_piece:
                     await on_piece(len(piece))
-                buf += piece
-        if len(buf) != size:
-            raise OriginError(f"origin returned {len(buf)} bytes for {path}@{offset}, expected {size}")
-        return buf
+                into[pos:pos + len(piece)] = piece
+                pos += len(piece)
+        if pos != size:
+            raise OriginError(f"origin returned {pos} bytes for {path}@{offset}, expected {size}")
 
     async def put_file(self, path: str, local_path) -> None:
         with open(local_path, "rb") as f:

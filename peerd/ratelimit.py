@@ -5,6 +5,9 @@ import asyncio
 import time
 
 
+PACE_S = 0.004          # a paced transfer pays about this much of its rate at a time
+
+
 class _Meter:
     """Tokens refilled at ``rate`` up to ``burst``; ``charge`` takes n (into debt) and says how long
     the debt takes to clear."""
@@ -35,6 +38,12 @@ class TokenBucket:
         self._all = _Meter(rate, self.burst) if rate else None
         self._first = _Meter(rate, self.burst) if rate else None    # priority traffic alone
         self._lock = asyncio.Lock()
+
+    def piece(self, minimum: int, whole: int) -> int:
+        """How many bytes to move between two payments: ``whole`` when unlimited, else about
+        ``PACE_S`` of the rate and at least ``minimum`` (at 8 MiB/s the minimum; at 1 GiB/s 4 MiB,
+        so a fast link is not paid for in thousands of small steps, each a trip through the loop)."""
+        return whole if not self.rate else min(whole, max(minimum, int(self.rate * PACE_S)))
 
     def debt(self, n: int) -> float:
         """Charge ``n`` bytes already received and say how long the reader should pause (0 when

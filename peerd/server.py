@@ -16,7 +16,7 @@ from peerd.store import DiskFullError, StoreError
 from peerd.wire import MAX_GOSSIP_BYTES, MAX_JOB_BYTES, WireError, check_gossip, check_job, check_vid, pack_bits
 
 log = logging.getLogger("peerd.http")
-UPLOAD_PIECE = 128 * 1024
+UPLOAD_PIECE = 128 * 1024     # a paced upload sends pieces of about 4 ms of its rate, at least this
 _INDEX = re.compile(r"^[0-9]{1,12}\Z")
 _RANGE = re.compile(r"^bytes=([0-9]{1,15})-([0-9]{0,15})\Z")
 
@@ -150,7 +150,7 @@ def make_app(daemon, *middlewares) -> web.Application:
                 # sendfile in pieces, each paid for in the upload bucket first: concurrent uploads
                 # share the link (as TCP flows would) and the kernel copies, Python does not
                 loop = asyncio.get_running_loop()
-                piece = UPLOAD_PIECE if d.upload_bucket.rate else count   # unpaced: one sendfile a chunk
+                piece = d.upload_bucket.piece(UPLOAD_PIECE, count)   # unpaced: one sendfile a chunk
                 with open(loc.path, "rb") as f:
                     sent = 0
                     while sent < count:

@@ -2,6 +2,8 @@
 import json
 import tempfile
 
+import pytest
+
 from weightcast.cli import main
 
 
@@ -62,6 +64,8 @@ def test_bench_swarm_with_a_killed_and_a_corrupt_host(capsys):
     assert abs(r["tail_s"] - (r["max_s"] - r["origin_done_s"])) < 1e-6
     # where the CPU went: the surviving daemons' own time, and the bitmap pushes they sent
     assert 0 < r["peerd_cores"] <= r["machine_cores"] and r["gossip_sent_per_host_s"] > 0
+    # and per GiB: the daemons per copy received, the origin (SeaweedFS) per GiB it served
+    assert r["peerd_cpu_s_per_gib_received"] > 0 and r["origin_cpu_s"] > 0 and r["origin_cpu_s_per_gib_served"] > 0
 
 
 def test_bench_rollout_reports_where_the_time_goes(capsys):
@@ -155,7 +159,13 @@ def test_bench_throughput_reports_cost_per_byte(capsys):
     assert r["chunks"] == 8 and not r["failed"] and len(r["downloaders_detail"]) == 2
     for d in r["downloaders_detail"]:
         assert d["from_peer_bytes"] == r["size"] and d["mib_per_s"] > 0 and d["cpu_s_per_gib_received"] > 0
+        # the stages peerd meters itself (peerd_store_cpu_seconds_total) and the rest add up to the whole
+        st = d["stages_cpu_s_per_gib"]
+        assert st["hash"] > 0 and st["write"] > 0 and st["allocate"] >= 0
+        assert sum(st.values()) == pytest.approx(d["cpu_s_per_gib_received"], abs=0.03)
     assert r["server"]["cpu_s_per_gib_sent"] > 0 and r["hash_cpu_s_per_gib"] > 0
+    assert all(r["floors_cpu_s_per_gib"][k] > 0 for k in ("hash", "write", "receive", "write_cold"))
+    assert r["host_cpu_s_per_gib_received_and_served"] > r["downloader_cpu_s_per_gib_without_store_io"] > 0
 
 
 def test_bench_receive_compares_both_receive_paths(capsys):

@@ -40,3 +40,18 @@ async def test_no_rate_means_no_wait(waits):
     await TokenBucket(None).acquire(10**9)
     await TokenBucket(None).acquire(10**9, priority=True)
     assert waits == []
+
+
+async def test_paced_pieces_follow_the_rate_and_unlimited_moves_all_at_once():
+    whole = 64 << 20
+    assert TokenBucket(None).piece(128 << 10, whole) == whole
+    assert TokenBucket(8 << 20).piece(128 << 10, whole) == 128 << 10           # 4 ms of 8 MiB/s is less
+    assert TokenBucket(1 << 30).piece(128 << 10, whole) == int((1 << 30) * ratelimit.PACE_S)
+    assert TokenBucket(1 << 30).piece(128 << 10, 1000) == 1000                 # never past what is left
+
+
+async def test_debt_is_what_a_pausing_reader_waits():
+    b = TokenBucket(1_000_000, burst=0)
+    assert b.debt(500_000) == pytest.approx(0.5, abs=0.02)
+    assert b.debt(500_000) == pytest.approx(1.0, abs=0.02)    # readers pausing side by side share the rate
+    assert TokenBucket(None).debt(10**9) == 0.0

@@ -113,7 +113,8 @@ def _swarm_config(a):
     deadline = a.deadline or 60 + 5 * a.size / a.rate     # never wait forever on a hung or dead host
     return SwarmBenchConfig(hosts=a.hosts, size=a.size, rate=a.rate, chunk=a.chunk, kill=a.kill,
                             corrupt_peers=a.corrupt_peers, max_uploads=a.max_uploads,
-                            have_interval=a.have_interval, have_stream=a.have_stream, timeout=deadline)
+                            have_interval=a.have_interval, have_stream=a.have_stream, timeout=deadline,
+                            warm_pages=a.warm_pages)
 
 
 def cmd_bench_swarm(a) -> int:
@@ -154,7 +155,7 @@ def cmd_bench_allreduce(a) -> int:
 def cmd_bench_throughput(a) -> int:
     from bench.throughput import run_throughput_bench
     res = asyncio.run(run_throughput_bench(a.size, a.chunk, a.downloaders, algorithm=a.hash,
-                                           warm_pages=not a.no_warm_pages))
+                                           warm_pages=a.warm_pages))
     print(json.dumps(res, indent=None if a.json else 1))
     return 0 if not res["failed"] else 1
 
@@ -315,6 +316,8 @@ class TemporalUnreachable(RuntimeError):
     pass
 
 
+WARM_HELP = ("skip writing and freeing the bytes the daemons will store before the clock starts (on a VM, "
+             "memory not touched lately costs ~10x more to write the first time; that then lands in the run)")
 HASH_HELP = ("chunk digests: sha256 (default) or blake3 (about a quarter of the CPU per byte on every host "
              "that receives, serves or loads it); the version id stays the SHA-256 of the signed manifest")
 _TEMPORAL_USED = False    # a Temporal client was made in this process (see entry())
@@ -603,6 +606,7 @@ def _swarm_flags(p, *, hosts: int, size: str, rate: str, chunk: str, kill: int, 
     p.add_argument("--no-have-stream", dest="have_stream", action="store_false",
                    help="peerd's --no-have-stream: pushes as HTTP POSTs (the A/B of docs/peerd.md)")
     p.add_argument("--deadline", type=float, default=None, help="seconds per swarm before giving up (default 60 + 5 S/R)")
+    p.add_argument("--no-warm-pages", dest="warm_pages", action="store_false", help=WARM_HELP)
     p.add_argument("--json", action="store_true")
 
 
@@ -685,9 +689,7 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("--chunk", type=parse_size, default=parse_size("4M"))
     bp.add_argument("--downloaders", type=positive_int, default=1)
     bp.add_argument("--hash", choices=ALGORITHMS, default=mf.HASH_ALGORITHM, help=HASH_HELP)
-    bp.add_argument("--no-warm-pages", action="store_true",
-                    help="skip writing and freeing the downloaders' bytes before the clock (a VM's first touch of "
-                         "memory then lands in peerd's write stage)")
+    bp.add_argument("--no-warm-pages", dest="warm_pages", action="store_false", help=WARM_HELP)
     bp.add_argument("--json", action="store_true")
     bp.set_defaults(fn=cmd_bench_throughput)
 
