@@ -17,9 +17,10 @@ def judge(new: dict | None, base: dict | None, cfg: AnalysisConfig) -> AnalysisR
         if new["error_rate"] > base["error_rate"] + cfg.max_error_rate_increase:
             failures.append(f"error rate {new['error_rate']:.2%} vs {base['error_rate']:.2%} on the previous version "
                             f"(allowed +{cfg.max_error_rate_increase:.2%})")
-        if base["p99_ms"] > 0 and new["p99_ms"] > cfg.max_p99_ratio * base["p99_ms"]:
+        if base["p99_ms"] > 0 and new["p99_ms"] > cfg.max_p99_ratio * base["p99_ms"] \
+                and new["p99_ms"] - base["p99_ms"] > cfg.min_p99_increase_ms:
             failures.append(f"p99 latency {new['p99_ms']:.1f} ms vs {base['p99_ms']:.1f} ms on the previous version "
-                            f"(allowed x{cfg.max_p99_ratio})")
+                            f"(allowed x{cfg.max_p99_ratio}, or +{cfg.min_p99_increase_ms:g} ms)")
     if failures:
         return AnalysisResult("fail", "; ".join(failures), new, base)
     return AnalysisResult("pass", f"{new['requests']} requests, error rate {new['error_rate']:.2%}, "

@@ -31,6 +31,11 @@ class BufferPool:
             self.allocated += 1
         return memoryview(buf)[:size]
 
+    def close(self) -> None:
+        """The job is over: free the idle buffers now, and any still in use as they come back."""
+        self.keep = 0
+        self._free.clear()
+
     def give(self, view: memoryview) -> None:
         buf = view.obj
         view.release()

@@ -103,6 +103,7 @@ class FetchJob:
         finally:
             for t in self._tasks.values():
                 t.cancel()
+            self.buffers.close()         # a finished job keeps no chunk buffers (64 MiB each on a fleet)
             if self._origin:
                 await self._origin.__aexit__(None, None, None)
 

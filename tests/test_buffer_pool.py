@@ -20,6 +20,12 @@ def test_buffers_are_reused_sized_and_kept_up_to_a_bound():
     assert pool.take(1).obj is not first and pool.allocated == 3
     with pytest.raises(ValueError, match="does not fit"):
         pool.take(1001)
+    in_use = pool.take(1000)
+    pool.give(pool.take(1000))
+    pool.close()                              # the job ended: nothing idle is kept, nor what comes back later
+    assert pool._free == []
+    pool.give(in_use)
+    assert pool._free == []
 
 
 @pytest.mark.asyncio

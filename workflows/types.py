@@ -235,7 +235,10 @@ class AnalysisConfig:
     min_requests: int = 20                # fewer requests to the new version: inconclusive, wait another window
     max_error_rate: float = 0.05          # absolute ceiling for the new version
     max_error_rate_increase: float = 0.01 # new error rate may exceed the previous one's by at most this
-    max_p99_ratio: float = 1.5            # new p99 latency at most this times the previous one's
+    max_p99_ratio: float = 1.5            # new p99 latency at most this times the previous one's ...
+    min_p99_increase_ms: float = 10.0     # ... unless it is within this many ms of it: over a short window
+                                          # p99 is the slowest few requests, and one scheduling hiccup
+                                          # turns 3 ms into 10 ms, a ratio of 3 that no user notices
     max_inconclusive: int = 3             # windows without enough requests before the step passes unjudged
 
     def problems(self) -> list[str]:
@@ -244,6 +247,9 @@ class AnalysisConfig:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < 1e6:
                 out.append(f"analysis.{name} must be a positive number, got {v!r}")
+        v = self.min_p99_increase_ms
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v < 1e9:
+            out.append(f"analysis.min_p99_increase_ms must be a number >= 0, got {v!r}")
         for name in ("max_error_rate", "max_error_rate_increase"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v <= 1:
