@@ -64,7 +64,7 @@ def write_cpu_s_per_gib(directory: Path, size: int, piece: int = 4 << 20) -> flo
     """A bare pwrite of ``size`` bytes from one resident buffer into a fresh, pre-allocated file in
     ``directory`` (the store's filesystem), as the store writes chunks; the file is removed after.
     The pre-allocation is not counted (peerd's is its own stage)."""
-    data = os.urandom(piece)
+    data = memoryview(os.urandom(piece))
     path = directory / ".write-floor"
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
@@ -95,9 +95,11 @@ def receive_cpu_s_per_gib(size: int, piece: int = 4 << 20) -> float:
     with socket.socket() as srv:
         srv.bind(("127.0.0.1", 0))
         srv.listen(1)
+        srv.settimeout(30)          # a sender that never connects or stalls fails the bench, not hangs it
         sender = subprocess.Popen([sys.executable, "-c", _SENDER, str(srv.getsockname()[1]), str(size)])
         try:
             conn, _ = srv.accept()
+            conn.settimeout(30)
             buf = memoryview(bytearray(piece))
             got, t0 = 0, time.process_time()
             with conn:
@@ -108,7 +110,11 @@ def receive_cpu_s_per_gib(size: int, piece: int = 4 << 20) -> float:
                     got += n
             return (time.process_time() - t0) * GIB / size
         finally:
-            sender.wait(30)
+            try:
+                sender.wait(30)
+            except subprocess.TimeoutExpired:
+                sender.kill()
+                sender.wait()
 
 
 async def stage_cpu(client: PeerdClient) -> dict[str, float]:

@@ -276,9 +276,12 @@ class ChunkFetcher:
             if not conn.closed and now - conn.idle_since < IDLE_S:
                 return conn, True
             conn._abort()
-        if url.scheme not in ("http", "https") or not url.hostname:
+        try:
+            port = url.port or (443 if url.scheme == "https" else 80)
+        except ValueError:          # a port out of range: gossip's address check lets digits through
+            port = None
+        if url.scheme not in ("http", "https") or not url.hostname or port is None:
             raise BadResponse(f"peer address {addr!r} is not http(s)://host:port")
-        port = url.port or (443 if url.scheme == "https" else 80)
         loop = asyncio.get_running_loop()
         _, conn = await asyncio.wait_for(loop.create_connection(
             lambda: _Conn(self.bucket, self.stall_after), url.hostname, port,

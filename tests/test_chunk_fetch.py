@@ -186,6 +186,7 @@ async def test_an_unreachable_peer_is_an_os_error():
     f = fetcher()
     with pytest.raises(OSError):
         await f.fetch("http://127.0.0.1:1", "/c", memoryview(bytearray(10)))
-    with pytest.raises(BadResponse, match="not http"):
-        await f.fetch("ftp://127.0.0.1:1", "/c", memoryview(bytearray(10)))
+    for addr in ("ftp://127.0.0.1:1", "http://127.0.0.1:99999", "http://:80"):
+        with pytest.raises(BadResponse, match="not http"):
+            await f.fetch(addr, "/c", memoryview(bytearray(10)))
     f.close()

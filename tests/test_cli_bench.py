@@ -163,9 +163,14 @@ def test_bench_throughput_reports_cost_per_byte(capsys):
         st = d["stages_cpu_s_per_gib"]
         assert st["hash"] > 0 and st["write"] > 0 and st["allocate"] >= 0
         assert sum(st.values()) == pytest.approx(d["cpu_s_per_gib_received"], abs=0.03)
-    assert r["server"]["cpu_s_per_gib_sent"] > 0 and r["hash_cpu_s_per_gib"] > 0
+    # /proc counts CPU in 10 ms ticks: serving 16 MiB with one sendfile a chunk may take less than one
+    assert r["server"]["cpu_s_per_gib_sent"] >= 0 and r["hash_cpu_s_per_gib"] > 0
     assert all(r["floors_cpu_s_per_gib"][k] > 0 for k in ("hash", "write", "receive", "write_cold"))
-    assert r["host_cpu_s_per_gib_received_and_served"] > r["downloader_cpu_s_per_gib_without_store_io"] > 0
+    # a swarm host's figure: one copy received and one served (CPU from /proc is in 10 ms ticks, so at
+    # this toy size only the arithmetic is checked, not that the store's share is below the total)
+    mean_down = sum(d["cpu_s_per_gib_received"] for d in r["downloaders_detail"]) / 2
+    assert r["host_cpu_s_per_gib_received_and_served"] == pytest.approx(
+        mean_down + r["server"]["cpu_s_per_gib_sent"], abs=0.02)
 
 
 def test_bench_receive_compares_both_receive_paths(capsys):
