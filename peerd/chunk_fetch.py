@@ -36,7 +36,7 @@ log = logging.getLogger("peerd.chunk_fetch")
 
 MAX_HEAD = 16 * 1024          # a response head larger than this is refused
 MAX_ERROR_BODY = 64 * 1024    # error bodies (JSON) are read up to this, for the message
-PACED_PIECE = 256 * 1024      # with a download rate, a receive pays for about 4 ms of it at a time, at least this (a thread wake-up a piece: 64 KiB cost the 16-host swarm ~5 % more CPU)
+PACED_PIECE = 64 * 1024       # with a download rate, bytes are paid for in pieces of about 4 ms, at least this
 IDLE_S = 30.0                 # idle kept-alive connections are closed after this (the server keeps 75 s)
 
 
