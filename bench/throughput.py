@@ -10,9 +10,13 @@ process alone), split for a downloader into the stages peerd meters itself
 (``peerd_store_cpu_seconds_total``): ``allocate`` (pre-allocating the version's files), ``hash``
 (the manifest's digest of every byte), ``write`` (pwrite + fdatasync into the store) and ``receive``
 (everything else: the socket reads, the event loop, the policy, gossip). Beside them, measured in the same run on this machine, the floors a
-verifying receiver cannot go below: the digest alone, a bare pwrite of the same bytes into a fresh
-file on the store's filesystem (on a VM's tmpfs this is page allocation more than copying, and it
-varies from run to run), and a bare loopback receive into a resident buffer.
+verifying receiver cannot go below: the digest alone, a bare pwrite of the same bytes into a fresh,
+pre-allocated file on the store's filesystem (on a VM's tmpfs this varies from run to run), the
+pre-allocation itself, and a bare loopback receive (sent with sendfile from a file, as a serving peerd
+sends, into a rotation of resident chunk buffers, as peerd's pool), with ``total`` their sum and
+``downloader_cpu_over_floor_total`` the downloader against it. ``loop_thread_cpu_s_per_gib`` is the
+event loop's own thread: the one part of peerd that cannot spread over cores, so what bounds a host's
+line rate (the chunk receives, digests and writes run in worker threads).
 
 ``warm_pages`` (default on): before the clock, the bench writes and frees as many bytes as the
 downloaders will store, on the store's filesystem, so that peerd's writes land on memory the VM's host
@@ -45,9 +49,10 @@ from weightcast.stack.seaweed import ACCESS_KEY, SECRET_KEY, SeaweedS3
 GIB = 1 << 30
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of one process (from /proc/<pid>/stat, in clock ticks)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def cpu_seconds(pid: int, tid: int | None = None) -> float:
+    """User + system CPU time of one process, or of one of its threads (from /proc, in clock ticks)."""
+    stat = Path(f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat")
+    fields = stat.read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
@@ -79,37 +84,58 @@ def write_cpu_s_per_gib(directory: Path, size: int, piece: int = 4 << 20) -> flo
         path.unlink()
 
 
+def allocate_cpu_s_per_gib(directory: Path, size: int) -> float:
+    """``posix_fallocate`` of a fresh ``size``-byte file in ``directory``, as the store pre-allocates a
+    version (on tmpfs this allocates and zeroes the pages; on ext4/xfs it only reserves extents)."""
+    path = directory / ".allocate-floor"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        t0 = time.process_time()
+        os.posix_fallocate(fd, 0, size)
+        return (time.process_time() - t0) * GIB / size
+    finally:
+        os.close(fd)
+        path.unlink()
+
+
 _SENDER = """
 import os, socket, sys
 s = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
-block, left = os.urandom(4 << 20), int(sys.argv[2])
-while left:
-    left -= s.send(block[:min(left, len(block))])
+fd, size, off = os.open(sys.argv[2], os.O_RDONLY), int(sys.argv[3]), 0
+while off < size:
+    off += os.sendfile(s.fileno(), fd, off, size - off)
 s.close()
 """
 
 
-def receive_cpu_s_per_gib(size: int, piece: int = 4 << 20) -> float:
-    """A bare loopback TCP receive of ``size`` bytes into one resident buffer (recv_into, blocking),
-    from a sender process; this process's CPU only."""
+def receive_cpu_s_per_gib(directory: Path, size: int, piece: int = 4 << 20, buffers: int = 12) -> float:
+    """A bare loopback TCP receive of ``size`` bytes, sent with sendfile from a file in ``directory``
+    (as a serving peerd sends), into a rotation of ``buffers`` resident chunk-size buffers (as peerd's
+    pool), with blocking ``recv_into(MSG_WAITALL)``; this process's CPU only."""
+    path = directory / ".receive-floor"
+    with open(path, "wb") as f:
+        for _ in range(0, size, 1 << 20):
+            f.write(os.urandom(1 << 20))
     with socket.socket() as srv:
         srv.bind(("127.0.0.1", 0))
         srv.listen(1)
         srv.settimeout(30)          # a sender that never connects or stalls fails the bench, not hangs it
-        sender = subprocess.Popen([sys.executable, "-c", _SENDER, str(srv.getsockname()[1]), str(size)])
+        sender = subprocess.Popen([sys.executable, "-c", _SENDER, str(srv.getsockname()[1]), str(path),
+                                   str(os.path.getsize(path))])
         try:
             conn, _ = srv.accept()
             conn.settimeout(30)
-            buf = memoryview(bytearray(piece))
-            got, t0 = 0, time.process_time()
+            pool = [memoryview(bytearray(b"\1" * piece)) for _ in range(buffers)]
+            got, i, t0 = 0, 0, time.process_time()
             with conn:
                 while got < size:
-                    n = conn.recv_into(buf)
+                    n = conn.recv_into(pool[i % buffers], min(piece, size - got), socket.MSG_WAITALL)
                     if not n:
                         raise RuntimeError("the floor's sender stopped early")
-                    got += n
+                    got, i = got + n, i + 1
             return (time.process_time() - t0) * GIB / size
         finally:
+            path.unlink()
             try:
                 sender.wait(30)
             except subprocess.TimeoutExpired:
@@ -155,23 +181,26 @@ async def run_throughput_bench(size: int, chunk: int, downloaders: int, timeout:
         await asyncio.sleep(1.0)                    # gossip: every downloader knows the server holds it all
         floor_sample = min(m.total_size, 256 << 20)     # floors sampled on this machine, before the clock
         hash_floor = hash_cpu_s_per_gib(algorithm)
-        receive_floor = receive_cpu_s_per_gib(floor_sample)
+        receive_floor = receive_cpu_s_per_gib(down[0].store, floor_sample)
         # A VM's memory is backed by its host on first touch: writing pages the guest has not used lately
         # costs ~10x more (1.9 against 0.17 CPU-s/GiB for the same 4 GiB of pwrites here), charged to
         # whichever copy touches them. Writing the downloaders' bytes once and freeing them first
         # leaves the guest holding backed pages, so the clock measures peerd; the cold figure is reported.
         cold_write = write_cpu_s_per_gib(down[0].store, m.total_size * downloaders) if warm_pages else None
         write_floor = write_cpu_s_per_gib(down[0].store, floor_sample)
+        allocate_floor = allocate_cpu_s_per_gib(down[0].store, floor_sample)
         clients = [PeerdClient(p.addr, token) for p in down]
         for c in clients:
             await c.__aenter__()
         stages0 = [await stage_cpu(c) for c in clients]
         cpu0 = {p.id: cpu_seconds(p.proc.pid) for p in procs}
+        loop0 = {p.id: cpu_seconds(p.proc.pid, tid=p.proc.pid) for p in procs}   # the event loop's thread
         t0 = time.monotonic()
         await asyncio.gather(*(c.start_job(signed, None, []) for c in clients))
         finals = await asyncio.gather(*(c.wait(m.digest, timeout, poll=0.05) for c in clients))
         wall = time.monotonic() - t0
         cpu = {p.id: cpu_seconds(p.proc.pid) - cpu0[p.id] for p in procs}
+        loop_cpu = {p.id: cpu_seconds(p.proc.pid, tid=p.proc.pid) - loop0[p.id] for p in procs}
         stages = [{k: v - s0[k] for k, v in (await stage_cpu(c)).items()} for c, s0 in zip(clients, stages0)]
         for c in clients:
             await c.__aexit__(None, None, None)
@@ -180,6 +209,7 @@ async def run_throughput_bench(size: int, chunk: int, downloaders: int, timeout:
         per_down = [{"host": p.id, "seconds": round(st["finished"] - st["started"], 3),
                      "mib_per_s": round(m.total_size / (1 << 20) / max(1e-9, st["finished"] - st["started"]), 1),
                      "cpu_s": round(cpu[p.id], 2), "cpu_s_per_gib_received": round(cpu[p.id] / gib, 2),
+                     "loop_thread_cpu_s_per_gib": round(loop_cpu[p.id] / gib, 2),
                      "stages_cpu_s_per_gib": {"allocate": round(sg["allocate"] / gib, 2),
                                               "hash": round(sg["hash"] / gib, 2), "write": round(sg["write"] / gib, 2),
                                               "receive": round((cpu[p.id] - sum(sg.values())) / gib, 2)},
@@ -187,12 +217,15 @@ async def run_throughput_bench(size: int, chunk: int, downloaders: int, timeout:
                     for p, st, sg in zip(down, finals, stages) if st["state"] == "complete"]
         mean = lambda key: sum(d["stages_cpu_s_per_gib"][key] for d in per_down) / len(per_down)
         floors = {"hash": round(hash_floor, 2), "write": round(write_floor, 2), "receive": round(receive_floor, 2),
+                  "allocate": round(allocate_floor, 2),
+                  "total": round(hash_floor + write_floor + receive_floor + allocate_floor, 2),
                   "sample_bytes": floor_sample, "write_cold": round(cold_write, 2) if warm_pages else None}
         return {"size": m.total_size, "chunk": chunk, "chunks": len(m.chunks), "downloaders": downloaders,
                 "hash_algorithm": algorithm, "warm_pages": warm_pages,
                 "wall_s": round(wall, 3), "aggregate_mib_per_s": round(downloaders * m.total_size / (1 << 20) / wall, 1),
                 "server": {"cpu_s": round(cpu["server"], 2),
-                           "cpu_s_per_gib_sent": round(cpu["server"] / (gib * downloaders), 2)},
+                           "cpu_s_per_gib_sent": round(cpu["server"] / (gib * downloaders), 2),
+                           "loop_thread_cpu_s_per_gib_sent": round(loop_cpu["server"] / (gib * downloaders), 2)},
                 "downloaders_detail": per_down, "failed": failed,
                 "hash_cpu_s_per_gib": round(hash_floor, 2),
                 "floors_cpu_s_per_gib": floors,
@@ -200,7 +233,10 @@ async def run_throughput_bench(size: int, chunk: int, downloaders: int, timeout:
                                                         / max(1, len(per_down)) / hash_floor, 2) if per_down else None,
                 # each stage against its own floor: what peerd adds on top of the kernel and the digest
                 "downloader_stage_over_floor": {k: round(mean(k) / max(floors[k], 1e-9), 2)
-                                                for k in ("hash", "write", "receive")} if per_down else None,
+                                                for k in ("allocate", "hash", "write", "receive")} if per_down else None,
+                # the whole downloader against the sum of the floors: how near a bare receive-hash-write it is
+                "downloader_cpu_over_floor_total": round(sum(d["cpu_s_per_gib_received"] for d in per_down)
+                                                         / len(per_down) / floors["total"], 2) if per_down else None,
                 # a swarm host receives one copy and serves about one: DESIGN.md's per-host figure
                 "host_cpu_s_per_gib_received_and_served": round(
                     sum(d["cpu_s_per_gib_received"] for d in per_down) / len(per_down)

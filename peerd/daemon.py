@@ -49,6 +49,7 @@ class Daemon:
         self.chunks = ChunkFetcher(bearer_headers(config.token), self.download_bucket, config.stall_after)
         self.have_links = have_stream.HaveLinks(self)
         self._loops: list[asyncio.Task] = []
+        self._opening = asyncio.Lock()               # submits lay out versions one at a time
         self._wake = asyncio.Event()                 # something to push: a finished chunk, a new or finished job
         self._full_due = False                       # ... that every member should hear (a job started or finished)
         self.runner: web.AppRunner | None = None
@@ -129,9 +130,16 @@ class Daemon:
             return job
         for p in body["peers"]:
             self.membership.learn(p)
-        vs = self.store.open_version(m, raw, self.config.reserve_bytes)
-        job = FetchJob(self, vs, origin, body["seeders"], adopt=body["adopt"])
-        self.jobs[m.digest] = job
+        async with self._opening:        # one version laid out at a time: a second submit waits, then attaches
+            job = self.jobs.get(m.digest)
+            if job is not None and job.state not in ("failed", "stopped"):
+                return job
+            vs = self.store.versions.get(m.digest)
+            if vs is None:               # pre-allocation off the loop: gossip and uploads go on meanwhile
+                vs = self.store.add_version(await asyncio.to_thread(
+                    self.store.prepare_version, m, raw, self.config.reserve_bytes))
+            job = FetchJob(self, vs, origin, body["seeders"], adopt=body["adopt"])
+            self.jobs[m.digest] = job
         job.start()
         self.announce_soon()
         return job

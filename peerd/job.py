@@ -125,11 +125,10 @@ class FetchJob:
 
     async def _copy_local(self) -> None:
         """Delta rollout: chunks whose digest an earlier stored version holds are copied, not fetched."""
+        local = self.d.store.local_chunks(exclude_vid=self.vs.vid)
         for c in self.m.chunks:
-            if self.vs.has(c.index):
-                continue
-            loc = self.d.store.find_local_chunk(c, exclude_vid=self.vs.vid)
-            if loc is None:
+            loc = local.get((c.digest, c.size))
+            if loc is None or self.vs.has(c.index):
                 continue
             data = await asyncio.to_thread(_pread, loc.path, loc.offset, loc.size)
             try:
@@ -264,7 +263,7 @@ class FetchJob:
             reason = "error"
             log.info("chunk fetch failed", extra={"peer": r.source, "chunk": r.chunk, "error": str(e) or type(e).__name__})
         finally:
-            if buf is not None:      # never handed to a thread, and its socket is closed: nothing touches it
+            if buf is not None:      # not handed on: the fetch returned, so its receive thread is done with it
                 self.buffers.give(buf)
             self._tasks.pop((r.chunk, r.source), None)
             self._wake.set()

@@ -133,6 +133,7 @@ class SwarmPolicy:
         live = np.array([s == self.me or s not in self.dead_members for s in seeds], bool)
         self.origin_mask = (origin_owner(self.origin_slots, live) == seeds.index(self.me)) if self.me in seeds \
             else np.zeros(self.n_chunks, bool)
+        self._origin_any = bool(self.origin_mask.any())   # most hosts own no stripe: skip the scan per request
         racks = self._live(self.rack_members)
         if self.me in racks and len(racks) > 1:
             self.rack_n = len(racks)
@@ -400,7 +401,7 @@ class SwarmPolicy:
         the stripe (the fleet works through the file in order) but in random order among the first
         few, so that two seeders briefly disagreeing on who owns a stripe rarely read the same chunk."""
         free = self.config.origin_inflight - self.origin_active
-        if free <= 0 or now < self.origin_backoff_until:
+        if free <= 0 or now < self.origin_backoff_until or not self._origin_any:
             return []
         cand = np.flatnonzero(self.origin_mask & (self.avail == 0) & ~self.have & ~self.inflight_mask)
         return origin_order(cand, self.origin_slots[cand], len(self.seeders), self.config.origin_spread,

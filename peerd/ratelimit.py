@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 
@@ -16,13 +17,15 @@ class _Meter:
         self.rate, self.burst = rate, burst
         self.tokens = burst
         self.stamp = time.monotonic()
+        self._lock = threading.Lock()     # chunk receives charge from worker threads, uploads from the loop
 
     def charge(self, n: int) -> float:
-        now = time.monotonic()
-        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
-        self.stamp = now
-        self.tokens -= n
-        return max(0.0, -self.tokens / self.rate)
+        with self._lock:
+            now = time.monotonic()
+            self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+            self.stamp = now
+            self.tokens -= n
+            return max(0.0, -self.tokens / self.rate)
 
 
 class TokenBucket:
@@ -47,7 +50,7 @@ class TokenBucket:
 
     def debt(self, n: int) -> float:
         """Charge ``n`` bytes already received and say how long the reader should pause (0 when
-        unlimited). For a reader that pauses its transport instead of awaiting (peerd/chunk_fetch.py);
+        unlimited). For a reader in a worker thread that sleeps instead of awaiting (peerd/chunk_fetch.py);
         concurrent readers each pause for the debt they find, so the total rate holds."""
         return self._all.charge(n) if self.rate else 0.0
 

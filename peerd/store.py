@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from peerd import digests
-from peerd.manifest import Chunk, Manifest, parse_body
+from peerd.manifest import Manifest, parse_body
 
 log = logging.getLogger("peerd.store")
 
@@ -369,6 +369,17 @@ class ChunkStore:
         vid = manifest.digest
         if vid in self.versions:
             return self.versions[vid]
+        return self.add_version(self.prepare_version(manifest, signed_manifest, reserve_bytes))
+
+    def add_version(self, vs: VersionStore) -> VersionStore:
+        """Serve a prepared version; on the owner's thread (the versions map is read there)."""
+        return self.versions.setdefault(vs.vid, vs)
+
+    def prepare_version(self, manifest: Manifest, signed_manifest: bytes, reserve_bytes: int = 0) -> VersionStore:
+        """Lay a version out on disk (files pre-allocated, bitmap loaded) without adding it to the
+        versions map: blocking, safe in a worker thread (pre-allocating a large version on tmpfs takes
+        seconds, which the event loop must not wait out). ``add_version`` then serves it."""
+        vid = manifest.digest
         root = self.root / "versions" / vid
         fresh = not root.exists()
         vs = VersionStore(root, manifest, self.cpu_meter)
@@ -382,24 +393,26 @@ class ChunkStore:
                 raise
             _raise_if_enospc(e, f"preparing version {vid[:12]}")
             raise StoreError(f"cannot lay out version {vid[:12]} under {root}: {e.strerror} ({e.filename})") from e
-        self.versions[vid] = vs
         return vs
 
     def stored_version_ids(self) -> list[str]:
         return sorted(p.name for p in (self.root / "versions").iterdir() if (p / "manifest.json").exists())
 
-    def find_local_chunk(self, chunk: Chunk, exclude_vid: str) -> ChunkLocation | None:
-        """A verified chunk with the same digest and size in another stored version, if any."""
+    def local_chunks(self, exclude_vid: str) -> dict[tuple[str, int], ChunkLocation]:
+        """Every verified chunk of the other stored versions, by (digest, size): what a delta rollout
+        copies instead of fetching. Built once per job (a lookup per chunk that listed the versions
+        and parsed a manifest not in memory was O(chunks x manifest) on a many-thousand-chunk job)."""
+        found: dict[tuple[str, int], ChunkLocation] = {}
         for vid in self.stored_version_ids():
             if vid == exclude_vid:
                 continue
             vs = self.versions.get(vid) or self._load_stored(vid)
             if vs is None:
                 continue
-            idx = vs.digest_index().get(chunk.digest)
-            if idx is not None and vs.has(idx) and vs.manifest.chunks[idx].size == chunk.size:
-                return vs.location(idx)
-        return None
+            for c in vs.manifest.chunks:
+                if vs.has(c.index):
+                    found.setdefault((c.digest, c.size), vs.location(c.index))
+        return found
 
     def _load_stored(self, vid: str) -> VersionStore | None:
         d = self.root / "versions" / vid

@@ -148,6 +148,10 @@ def test_demo_has_a_deadline_and_says_where_it_stood():
     assert set(report["hosts"]) == {"h0", "h1"} and report["phase"] and report["dead"] == []
 
 
+def mean_cpu(r: dict) -> float:
+    return sum(d["cpu_s_per_gib_received"] for d in r["downloaders_detail"]) / len(r["downloaders_detail"])
+
+
 def test_bench_throughput_reports_cost_per_byte(capsys):
     """Toy size: every downloader gets the whole version from the serving peer alone, and the CPU
     accounting is there (the numbers themselves are not asserted)."""
@@ -165,7 +169,13 @@ def test_bench_throughput_reports_cost_per_byte(capsys):
         assert st["hash"] > 0 and st["write"] > 0 and st["allocate"] >= 0
         assert sum(st.values()) == pytest.approx(d["cpu_s_per_gib_received"], abs=0.03)
     assert r["server"]["cpu_s_per_gib_sent"] > 0 and r["hash_cpu_s_per_gib"] > 0
-    assert all(r["floors_cpu_s_per_gib"][k] > 0 for k in ("hash", "write", "receive", "write_cold"))
+    fl = r["floors_cpu_s_per_gib"]
+    assert all(fl[k] > 0 for k in ("hash", "write", "receive", "write_cold")) and fl["allocate"] >= 0
+    assert fl["total"] == pytest.approx(fl["hash"] + fl["write"] + fl["receive"] + fl["allocate"], abs=0.03)
+    assert r["downloader_cpu_over_floor_total"] == pytest.approx(mean_cpu(r) / fl["total"], rel=0.05)
+    # the event loop's own thread is a part of the process (never more than all of it)
+    for d in r["downloaders_detail"]:
+        assert 0 <= d["loop_thread_cpu_s_per_gib"] <= d["cpu_s_per_gib_received"]
     # a swarm host's figure: one copy received and one served (CPU from /proc is in 10 ms ticks, so at
     # this size only the arithmetic is checked, not that the store's share is below the total)
     mean_down = sum(d["cpu_s_per_gib_received"] for d in r["downloaders_detail"]) / 2

@@ -92,6 +92,18 @@ async def test_chunk_requests_are_checked(daemon, signed):
     assert st == 404 and "not verified" in body["error"]   # never serves what it has not verified
 
 
+async def test_concurrent_submits_of_one_version_share_one_job(daemon, signed):
+    """The version's files are laid out in a worker thread (pre-allocation must not stall the loop):
+    submits that arrive meanwhile wait for it and attach to the same job, never lay it out twice."""
+    import asyncio
+    m, doc = signed
+    answers = await asyncio.gather(*(call("POST", daemon + "/v1/jobs", json={"manifest": doc, "origin": None},
+                                          headers=AUTH) for _ in range(6)))
+    assert all(st == 202 for st, _ in answers)
+    assert {body["version_id"] for _, body in answers} == {m.digest}
+    assert len({body["started"] for _, body in answers}) == 1      # one job object, started once
+
+
 async def test_disk_full_is_reported_as_such(tmp_path, seaweed, keys, signed):
     m, doc = signed
     fleet = Fleet(tmp_path, seaweed, keys["pub_path"], ["full"],

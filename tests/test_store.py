@@ -62,7 +62,8 @@ def test_chunks_of_an_earlier_version_are_found_locally(tmp_path, signed, checkp
     last.write_bytes(np.random.default_rng(1).integers(0, 256, 300_000, dtype=np.uint8).tobytes())
     m2 = mf.build_from_directory(checkpoint, "tiny", "v2", chunk_size=m.chunk_size)
     store2 = ChunkStore(tmp_path / "s")   # a restarted daemon finds v1 on disk
-    found = [store2.find_local_chunk(c, exclude_vid=m2.digest) for c in m2.chunks]
+    local = store2.local_chunks(exclude_vid=m2.digest)
+    found = [local.get((c.digest, c.size)) for c in m2.chunks]
     same = [c for c in m2.chunks if c.file != m.files[-1].path]
     assert all(found[c.index] is not None for c in same)
     assert all(found[c.index] is None for c in m2.chunks if c.file == m.files[-1].path)

@@ -62,8 +62,13 @@ class ModuleProc:
         """None while running; else how it ended and the last lines of its log."""
         if self.proc is None or self.proc.poll() is None:
             return None
+        tail = last_lines(self.log_path, 10 * lines)
+        # a crash dump (faulthandler) lists every thread: show it from its header, which a busy
+        # daemon's threads would push out of the last lines
+        fatal = [i for i, line in enumerate(tail) if line.startswith("Fatal Python error")]
+        shown = tail[fatal[-1]:fatal[-1] + lines] if fatal else tail[-lines:]
         return {"process": self.name, "how": describe_exit(self.proc.returncode),
-                "log": str(self.log_path), "last_log_lines": last_lines(self.log_path, lines)}
+                "log": str(self.log_path), "last_log_lines": shown}
 
     def kill(self) -> None:
         """SIGKILL: the crash the system must survive."""
