@@ -190,8 +190,10 @@ class _Transfer:
                 raise ConnectionAbortedError("the fetch was cancelled")
             n = self._recv(body[pos:pos + self.bucket.piece(PACED_PIECE, want - pos)], waitall=True)
             pos += n
-            wait = self.bucket.debt(n)           # paid as received; the last piece's debt carries over
-            if wait > 0 and pos < want and self.aborted.wait(wait):
+            # paid as received, the last piece too: with pieces as large as a chunk, a debt left for the
+            # next chunk would never be paid (every receive would start before its charge)
+            wait = self.bucket.debt(n)
+            if wait > 0 and self.aborted.wait(wait):
                 raise ConnectionAbortedError("the fetch was cancelled")
 
 
