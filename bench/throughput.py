@@ -26,6 +26,7 @@ already backs (see the comment in the code); ``write_cold`` in the floors is wha
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import secrets
 import shutil
@@ -33,6 +34,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -65,18 +67,31 @@ def hash_cpu_s_per_gib(algorithm: str = mf.HASH_ALGORITHM, sample: int = 256 << 
     return (time.process_time() - t0) * GIB / sample
 
 
-def write_cpu_s_per_gib(directory: Path, size: int, piece: int = 4 << 20) -> float:
-    """A bare pwrite of ``size`` bytes from one resident buffer into a fresh, pre-allocated file in
+def write_cpu_s_per_gib(directory: Path, size: int, piece: int = 4 << 20, writers: int = 1,
+                        one_at_a_time: bool = True) -> float:
+    """A bare pwrite of ``size`` bytes from resident buffers into a fresh, pre-allocated file in
     ``directory`` (the store's filesystem), as the store writes chunks; the file is removed after.
-    The pre-allocation is not counted (peerd's is its own stage)."""
-    data = memoryview(os.urandom(piece))
+    The pre-allocation is not counted (peerd's is its own stage). ``writers`` threads take turns at
+    the pieces; ``one_at_a_time`` serialises their pwrites with a lock, as the store does (unlocked,
+    they meet on the file's inode lock in the kernel, which spins)."""
+    bufs = [memoryview(os.urandom(piece)) for _ in range(writers)]
     path = directory / ".write-floor"
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    lock = threading.Lock() if one_at_a_time else contextlib.nullcontext()
+
+    def write(k: int) -> None:
+        for off in range(k * piece, size, piece * writers):
+            with lock:
+                os.pwrite(fd, bufs[k][:min(piece, size - off)], off)
+
     try:
         os.posix_fallocate(fd, 0, size)
         t0 = time.process_time()
-        for off in range(0, size, piece):
-            os.pwrite(fd, data[:min(piece, size - off)], off)
+        threads = [threading.Thread(target=write, args=(k,)) for k in range(writers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
         os.fdatasync(fd)
         return (time.process_time() - t0) * GIB / size
     finally:
@@ -189,6 +204,9 @@ async def run_throughput_bench(size: int, chunk: int, downloaders: int, timeout:
         cold_write = write_cpu_s_per_gib(down[0].store, m.total_size * downloaders) if warm_pages else None
         write_floor = write_cpu_s_per_gib(down[0].store, floor_sample)
         allocate_floor = allocate_cpu_s_per_gib(down[0].store, floor_sample)
+        # why the store writes one chunk at a time per file: two writers of one file, with and without
+        two_writers = {"locked": write_cpu_s_per_gib(down[0].store, floor_sample, writers=2),
+                       "unlocked": write_cpu_s_per_gib(down[0].store, floor_sample, writers=2, one_at_a_time=False)}
         clients = [PeerdClient(p.addr, token) for p in down]
         for c in clients:
             await c.__aenter__()
@@ -219,7 +237,8 @@ async def run_throughput_bench(size: int, chunk: int, downloaders: int, timeout:
         floors = {"hash": round(hash_floor, 2), "write": round(write_floor, 2), "receive": round(receive_floor, 2),
                   "allocate": round(allocate_floor, 2),
                   "total": round(hash_floor + write_floor + receive_floor + allocate_floor, 2),
-                  "sample_bytes": floor_sample, "write_cold": round(cold_write, 2) if warm_pages else None}
+                  "sample_bytes": floor_sample, "write_cold": round(cold_write, 2) if warm_pages else None,
+                  "write_two_writers_one_file": {k: round(v, 2) for k, v in two_writers.items()}}
         return {"size": m.total_size, "chunk": chunk, "chunks": len(m.chunks), "downloaders": downloaders,
                 "hash_algorithm": algorithm, "warm_pages": warm_pages,
                 "wall_s": round(wall, 3), "aggregate_mib_per_s": round(downloaders * m.total_size / (1 << 20) / wall, 1),

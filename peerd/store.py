@@ -82,6 +82,10 @@ class VersionStore:
         self.vid = manifest.digest
         self.model_dir = root / "model"
         self._fds: dict[str, int] = {}
+        # one pwrite at a time per file: concurrent buffered writes to one file queue on its inode lock
+        # in the kernel and spin there (tmpfs, ext4, xfs); a Python lock sleeps instead. Measured on
+        # tmpfs, two threads writing 4 MiB chunks: 0.30 CPU-s/GiB unlocked, 0.17 locked, same wall time
+        self._write_locks: dict[str, threading.Lock] = {}
         self._bitmap_fd: int | None = None
         self._io = threading.Condition()      # guards the fds against close() while a write is in flight
         self._writers = 0
@@ -128,6 +132,7 @@ class VersionStore:
                 self.preexisting.add(f.path)
             fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o644)
             self._fds[f.path] = fd
+            self._write_locks.setdefault(f.path, threading.Lock())
             try:
                 if f.size and os.fstat(fd).st_size != f.size:
                     t0 = time.thread_time()
@@ -209,7 +214,8 @@ class VersionStore:
         with self._open_fds(index):
             fd = self._fds[c.file]
             try:
-                written = os.pwrite(fd, data, c.offset)
+                with self._write_locks[c.file]:
+                    written = os.pwrite(fd, data, c.offset)
                 if written != c.size:
                     raise StoreError(f"short write of chunk {index}: {written} of {c.size} bytes")
                 self._durable(fd, index)

@@ -172,6 +172,8 @@ def test_bench_throughput_reports_cost_per_byte(capsys):
     fl = r["floors_cpu_s_per_gib"]
     assert all(fl[k] > 0 for k in ("hash", "write", "receive", "write_cold")) and fl["allocate"] >= 0
     assert fl["total"] == pytest.approx(fl["hash"] + fl["write"] + fl["receive"] + fl["allocate"], abs=0.03)
+    assert sorted(fl["write_two_writers_one_file"]) == ["locked", "unlocked"]
+    assert all(v > 0 for v in fl["write_two_writers_one_file"].values())
     assert r["downloader_cpu_over_floor_total"] == pytest.approx(mean_cpu(r) / fl["total"], rel=0.05)
     # the event loop's own thread is a part of the process (never more than all of it)
     for d in r["downloaders_detail"]:
