@@ -96,7 +96,6 @@ class VersionStore:
         self.news: list[int] = []     # chunks verified by this process, in order (HAVE-stream news)
         self.fingerprints: dict[str, tuple[int, int, int]] = {}   # file -> (size, mtime, ctime) when verified
         self.suspect = False          # a chunk was found corrupt on disk: re-check every chunk before serving
-        self._digest_idx: dict[str, int] | None = None
         self.preexisting: set[str] = set()     # files already there when prepared (adoption candidates)
 
     # -- lifecycle
@@ -182,13 +181,6 @@ class VersionStore:
             raise StoreError(f"chunk {index} is not verified here")
         c = self.manifest.chunks[index]
         return os.pread(self._fds[c.file], c.size, c.offset)
-
-    def digest_index(self) -> dict[str, int]:
-        if self._digest_idx is None:
-            self._digest_idx = {}
-            for c in self.manifest.chunks:
-                self._digest_idx.setdefault(c.digest, c.index)
-        return self._digest_idx
 
     # -- writes
     def write_chunk(self, index: int, data: bytes | bytearray | memoryview) -> bool:
