@@ -1,4 +1,5 @@
 """Bad input at peerd's HTTP API: clear 4xx answers, and the daemon keeps running."""
+import asyncio
 import json
 
 import aiohttp
@@ -95,7 +96,6 @@ async def test_chunk_requests_are_checked(daemon, signed):
 async def test_concurrent_submits_of_one_version_share_one_job(daemon, signed):
     """The version's files are laid out in a worker thread (pre-allocation must not stall the loop):
     submits that arrive meanwhile wait for it and attach to the same job, never lay it out twice."""
-    import asyncio
     m, doc = signed
     answers = await asyncio.gather(*(call("POST", daemon + "/v1/jobs", json={"manifest": doc, "origin": None},
                                           headers=AUTH) for _ in range(6)))
