@@ -101,7 +101,7 @@ def write_cpu_s_per_gib(directory: Path, size: int, piece: int = 4 << 20, writer
 
 def allocate_cpu_s_per_gib(directory: Path, size: int) -> float:
     """``posix_fallocate`` of a fresh ``size``-byte file in ``directory``, as the store pre-allocates a
-    version (on tmpfs this allocates and zeroes the pages; on ext4/xfs it only reserves extents)."""
+    version (on tmpfs this allocates the pages; on ext4/xfs it only reserves extents)."""
     path = directory / ".allocate-floor"
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     try:

@@ -146,7 +146,7 @@ class _Transfer:
             if body is None:
                 body = memoryview(bytearray(h.length))
             body[:len(rest)] = rest
-            self.bucket.debt(len(rest))
+            self._pay(len(rest))
             self._read_body(body, len(rest))
             self.complete = not h.close_after
             if h.status != 200:
@@ -190,11 +190,15 @@ class _Transfer:
                 raise ConnectionAbortedError("the fetch was cancelled")
             n = self._recv(body[pos:pos + self.bucket.piece(PACED_PIECE, want - pos)], waitall=True)
             pos += n
-            # paid as received, the last piece too: with pieces as large as a chunk, a debt left for the
-            # next chunk would never be paid (every receive would start before its charge)
-            wait = self.bucket.debt(n)
-            if wait > 0 and self.aborted.wait(wait):
-                raise ConnectionAbortedError("the fetch was cancelled")
+            self._pay(n)
+
+    def _pay(self, n: int) -> None:
+        """Charge ``n`` received bytes to the download rate and sleep out the debt now, for every piece
+        (the last one, and body bytes that came with the head, too): a debt left for the next receive
+        is never paid when a chunk is one piece, since every receive starts before its charge."""
+        wait = self.bucket.debt(n)
+        if wait > 0 and self.aborted.wait(wait):
+            raise ConnectionAbortedError("the fetch was cancelled")
 
 
 def _error_text(body: bytes) -> str:

@@ -182,19 +182,21 @@ async def test_a_download_rate_paces_the_reads():
         f.close()
 
 
-async def test_a_download_rate_paces_chunks_smaller_than_a_paced_piece():
-    """Ten 100 kB chunks, each received in one piece, at 2 MB/s (burst 0.1 MB): every chunk pays its
-    bytes before it is done, so 1 MB takes at least ~0.45 s (a chunk's debt left for the next receive
-    would never be paid: they came in at loopback speed)."""
-    body = os.urandom(100_000)
+@pytest.mark.parametrize("size, rate", [(100_000, 2_000_000), (8_000, 200_000)])
+async def test_a_download_rate_paces_chunks_smaller_than_a_paced_piece(size, rate):
+    """Ten chunks, each received in one piece (100 kB), or with the response head in its first read
+    (8 kB), at a rate whose burst is 5 % of a second: every chunk pays its bytes before it is done, so
+    they take at least (10 x size - burst) / rate (a chunk's debt left for the next receive would never
+    be paid: they came in at loopback speed)."""
+    body = os.urandom(size)
     async with ScriptedPeer(lambda n, head: ok(body)) as peer:
-        f = fetcher(rate=2_000_000)
+        f = fetcher(rate=rate)
         t0 = time.monotonic()
         for _ in range(10):
             view = memoryview(bytearray(len(body)))
             await f.fetch(peer.addr, "/c", view)
             assert bytes(view) == body
-        assert time.monotonic() - t0 >= (10 * len(body) - f.bucket.burst) / 2_000_000
+        assert time.monotonic() - t0 >= (10 * len(body) - f.bucket.burst) / rate
         f.close()
 
 
