@@ -10,7 +10,7 @@ from pathlib import Path
 
 import aiohttp
 from temporalio import activity
-from temporalio.exceptions import ApplicationError
+from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
 
 from peerd.client import PeerdClient, PeerdError
 from peerd.http_input import bearer_headers
@@ -62,7 +62,7 @@ class HostActivities:
             vid = st["version_id"]
             try:
                 while True:
-                    st = await c.job(vid)
+                    st = await self._job(c, vid)
                     activity.heartbeat(progress_details(self.host_id, st))
                     if st["state"] == "complete":
                         break
@@ -74,31 +74,46 @@ class HostActivities:
                     await asyncio.sleep(0.2)
             except asyncio.CancelledError:
                 # the rollout was paused or aborted: stop peerd's download now (its verified chunks stay
-                # for a resume; an abort removes the version afterwards)
-                await asyncio.shield(self._stop(c, vid))
-                raise
+                # for a resume; an abort removes the version afterwards) and say what this host keeps
+                held = await asyncio.shield(self._stop(c, vid))
+                if activity.is_worker_shutdown() or held is None:
+                    raise
+                return DistributeResult(vid, st["bytes_total"], st["bytes_by_source"], time.monotonic() - t0,
+                                        stopped=True, bytes_held=held)
         return DistributeResult(vid, st["bytes_total"], st["bytes_by_source"], time.monotonic() - t0)
 
-    async def _stop(self, c: PeerdClient, vid: str) -> None:
+    async def _job(self, c: PeerdClient, vid: str) -> dict:
         try:
-            await c.stop_job(vid, "the rollout was paused or aborted")
+            return await c.job(vid)
+        except PeerdError as e:
+            if e.status != 404:
+                raise
+            # the job is gone: removed by an abort's discard, or peerd restarted without it; a retry
+            # starts it again from the bitmap. Expected, so no traceback in the worker's log.
+            raise ApplicationError(f"{self.host_id}: peerd has no job for {vid[:12]} (removed, or peerd "
+                                   "restarted); starting it again", type="JobGone",
+                                   category=ApplicationErrorCategory.BENIGN) from None
+
+    async def _stop(self, c: PeerdClient, vid: str) -> int | None:
+        """Stop the download; the verified bytes it keeps (None when peerd could not be asked)."""
+        try:
+            st = await c.stop_job(vid, "the rollout was paused or aborted")
             activity.logger.info("stopped the download of %s on %s", vid[:12], self.host_id)
-        except (PeerdError, aiohttp.ClientError) as e:
+            return int(st["bytes_done"])
+        except (PeerdError, aiohttp.ClientError, OSError) as e:
             activity.logger.warning("could not stop the download of %s on %s: %s", vid[:12], self.host_id, e)
+            return None
 
     @activity.defn(name="discard_version")
     async def discard_version(self, inp: DiscardInput) -> dict:
         """After an abort: unload the version from the model server if it is there (it carries no
         traffic: the workflow moved traffic back first) and remove it from peerd's store. Idempotent."""
         out = {"host": self.host_id, "unloaded": False, "removed": False}
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
-            async with s.post(f"{self.model_server}/v1/unload", json={"model_version": inp.version},
-                              headers=self.admin) as r:
-                out["unloaded"] = r.status == 200
-                if r.status == 401:
-                    raise ApplicationError("the model server refused the admin token", type="Unauthorized",
-                                           non_retryable=True)
         async with PeerdClient(self.peerd_addr, self.token) as c:
+            model = inp.model or await self._model_of(c, inp.version_id)
+            if model:
+                async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+                    out["unloaded"] = await self._unload(s, model, inp.version)
             try:
                 await c.remove(inp.version_id)
                 out["removed"] = True
@@ -106,6 +121,27 @@ class HostActivities:
                 if e.status != 404:                     # 404: not stored here (already removed, never fetched)
                     raise
         return out
+
+    @staticmethod
+    async def _model_of(c: PeerdClient, version_id: str) -> str:
+        """The model a stored version belongs to (its signed manifest says), for inputs that name only
+        the version; "" when it is not stored here."""
+        return next((v["model"] for v in (await c.status()).get("stored", []) if v["version_id"] == version_id), "")
+
+    async def _unload(self, s: aiohttp.ClientSession, model: str, version: str) -> bool:
+        """Unload (model, version) from the model server; False when it was not loaded."""
+        async with s.post(f"{self.model_server}/v1/unload", json={"model": model, "model_version": version},
+                          headers=self.admin) as r:
+            if r.status == 401:
+                raise ApplicationError("the model server refused the admin token", type="Unauthorized",
+                                       non_retryable=True)
+            return r.status == 200
+
+    async def _loaded(self, s: aiohttp.ClientSession) -> dict[tuple[str, str], dict]:
+        """What the model server holds, by (model, version)."""
+        async with s.get(f"{self.model_server}/v1/versions") as r:
+            r.raise_for_status()
+            return {(v["model"], v["version"]): v for v in (await r.json(content_type=None))["versions"]}
 
     @activity.defn(name="load_version")
     async def load_version(self, inp: LoadInput) -> dict:
@@ -126,7 +162,7 @@ class HostActivities:
 
     async def _post_load(self, s: aiohttp.ClientSession, inp: LoadInput):
         async with s.post(f"{self.model_server}/v1/load", headers=self.admin,
-                          json={"model_version": inp.version, "version_id": inp.version_id}) as r:
+                          json={"model": inp.model, "model_version": inp.version, "version_id": inp.version_id}) as r:
             return r, await r.json(content_type=None)
 
     async def _prune_or_log(self, s: aiohttp.ClientSession, inp: LoadInput) -> list[str]:
@@ -144,15 +180,14 @@ class HostActivities:
         and that is not downloading. Without this each rollout adds a checkpoint to every disk."""
         if not inp.keep:
             return []
-        async with s.get(f"{self.model_server}/v1/versions") as r:
-            loaded = set((await r.json(content_type=None)).get("versions", {}))
+        loaded = set(await self._loaded(s))
         removed = []
         async with PeerdClient(self.peerd_addr, self.token) as c:
             st = await c.status()
             fetching = {j["version_id"] for j in st["jobs"] if j["state"] == "fetching"}
             for v in st.get("stored", []):
                 if (v["model"] != inp.model or v["version"] in inp.keep or v["version"] in inp.pinned
-                        or v["version"] in loaded
+                        or (v["model"], v["version"]) in loaded
                         or v["version_id"] in fetching):
                     continue
                 try:
@@ -166,29 +201,27 @@ class HostActivities:
         return removed
 
     async def _retire(self, s: aiohttp.ClientSession, inp: LoadInput) -> list[str]:
-        """Unload versions older than the ones this rollout keeps (the new one and the one it replaces),
-        so successive rollouts do not run out of slots or memory. With a router, only with its unload
-        permit (it refuses while that version still carries traffic on too few hosts)."""
+        """Unload this model's versions older than the ones this rollout keeps (the new one and the one it
+        replaces), so successive rollouts do not run out of slots or memory. Other models' versions are
+        never touched: their traffic is theirs. With a router, only with its unload permit for that
+        (model, version) (it refuses while the version still carries traffic on too few hosts)."""
         if not inp.keep:
             return []
-        async with s.get(f"{self.model_server}/v1/versions") as r:
-            loaded = (await r.json(content_type=None)).get("versions", {})
         retired = []
-        for v, st in sorted(loaded.items()):
-            if v in inp.keep or st.get("state") != "ready":
+        for (model, v), st in sorted((await self._loaded(s)).items()):
+            if model != inp.model or v in inp.keep or st.get("state") != "ready":
                 continue
             if inp.router:
-                async with s.post(f"{inp.router}/admin/models/{inp.model}/permits/unload", headers=self.admin,
+                async with s.post(f"{inp.router}/admin/models/{model}/permits/unload", headers=self.admin,
                                   json={"host": self.host_id, "version": v}) as r:
                     answer = await r.json(content_type=None)
                     if r.status == 401:
                         raise ApplicationError(f"router refused the admin token: {answer.get('error')}",
                                                type="Unauthorized", non_retryable=True)
                     if r.status != 200:
-                        activity.logger.info("router refused to retire %s on %s: %s", v, self.host_id,
+                        activity.logger.info("router refused to retire %s %s on %s: %s", model, v, self.host_id,
                                              answer.get("reason") or answer.get("error"))
                         continue
-            async with s.post(f"{self.model_server}/v1/unload", json={"model_version": v}, headers=self.admin) as r:
-                if r.status == 200:
-                    retired.append(v)
+            if await self._unload(s, model, v):
+                retired.append(v)
         return retired

@@ -6,20 +6,26 @@ by implementing the same four calls — see docs/serving.md.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
 from serving.loader import LoadResult, load_model, pick_device
 
 
+class VersionKey(NamedTuple):
+    """What a host holds: a version of a model. Labels are per model, so the pair is the key."""
+    model: str
+    version: str
+
+
 class Engine(Protocol):
-    def load(self, version: str, model_dir: Path, memory_budget: int | None, in_use: int) -> int:
-        """Load and smoke-test ``version`` from a verified directory; return bytes held. Raise LoadError."""
+    def load(self, key: VersionKey, model_dir: Path, memory_budget: int | None, in_use: int) -> int:
+        """Load and smoke-test ``key`` from a verified directory; return bytes held. Raise LoadError."""
 
-    def unload(self, version: str) -> None: ...
+    def unload(self, key: VersionKey) -> None: ...
 
-    def infer(self, version: str, input_ids: list[list[int]]) -> dict: ...
+    def infer(self, key: VersionKey, input_ids: list[list[int]]) -> dict: ...
 
     def device(self) -> str: ...
 
@@ -31,23 +37,23 @@ class VersionGone(LookupError):
 class ReferenceEngine:
     def __init__(self, device: torch.device | None = None):
         self._device = device or pick_device()
-        self.models: dict[str, LoadResult] = {}
+        self.models: dict[VersionKey, LoadResult] = {}
 
-    def load(self, version: str, model_dir: Path, memory_budget: int | None, in_use: int) -> int:
-        res = load_model(model_dir, version, self._device, memory_budget, in_use)
-        self.models[version] = res
+    def load(self, key: VersionKey, model_dir: Path, memory_budget: int | None, in_use: int) -> int:
+        res = load_model(model_dir, key.version, self._device, memory_budget, in_use, model=key.model)
+        self.models[key] = res
         return res.nbytes
 
-    def unload(self, version: str) -> None:
-        self.models.pop(version, None)
+    def unload(self, key: VersionKey) -> None:
+        self.models.pop(key, None)
         if self._device.type == "cuda":
             torch.cuda.empty_cache()
 
     @torch.no_grad()
-    def infer(self, version: str, input_ids: list[list[int]]) -> dict:
-        loaded = self.models.get(version)
+    def infer(self, key: VersionKey, input_ids: list[list[int]]) -> dict:
+        loaded = self.models.get(key)
         if loaded is None:                   # unloaded between the server's check and this thread running
-            raise VersionGone(version)
+            raise VersionGone(key)
         m = loaded.model
         logits = m(torch.tensor(input_ids, device=self._device))[:, -1, :]
         return {"next_token": logits.argmax(-1).tolist(), "logits_head": logits[:, :16].float().cpu().tolist()}

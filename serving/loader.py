@@ -35,7 +35,7 @@ def pick_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
-def check_fingerprint(model_dir: Path, version: str) -> dict:
+def check_fingerprint(model_dir: Path, version: str, model: str | None = None) -> dict:
     try:
         fp = json.loads((model_dir / VERIFIED).read_text())
     except FileNotFoundError:
@@ -44,6 +44,9 @@ def check_fingerprint(model_dir: Path, version: str) -> dict:
         raise LoadError("unverified", f"unreadable {VERIFIED}: {e}") from None
     if fp.get("version") != version:
         raise LoadError("wrong_version", f"{model_dir} was verified as version {fp.get('version')!r}, not {version!r}")
+    if model is not None and fp.get("model") != model:
+        raise LoadError("wrong_version", f"{model_dir} was verified as a version of model {fp.get('model')!r}, "
+                                         f"not {model!r}")
     for rel, want in fp["files"].items():
         try:
             st = os.stat(model_dir / rel)
@@ -121,16 +124,20 @@ def read_tensors(files: VerifiedFiles, index: dict, device: torch.device,
 
 
 def load_model(model_dir: Path, version: str, device: torch.device | None = None,
-               memory_budget: int | None = None, in_use: int = 0) -> LoadResult:
-    """Fingerprint check, memory check, read, build, smoke test. Raises LoadError, leaving nothing loaded."""
+               memory_budget: int | None = None, in_use: int = 0, model: str | None = None) -> LoadResult:
+    """Fingerprint check, memory check, read, build, smoke test. Raises LoadError, leaving nothing loaded.
+    ``model``, when given, must be the signed manifest's model too (labels are per model)."""
     device = device or pick_device()
-    check_fingerprint(model_dir, version)
+    check_fingerprint(model_dir, version, model)
     t0 = time.perf_counter()
     try:
         files = VerifiedFiles(model_dir)
         if files.manifest.version != version:
             raise LoadError("wrong_version", f"{model_dir} holds version {files.manifest.version!r} of its signed "
                                              f"manifest, not {version!r}")
+        if model is not None and files.manifest.model != model:
+            raise LoadError("wrong_version", f"{model_dir} holds model {files.manifest.model!r} of its signed "
+                                             f"manifest, not {model!r}")
         nbytes, index = checkpoint_bytes(files)
         if memory_budget is not None and in_use + nbytes > memory_budget:
             raise LoadError("oom", f"version {version} needs {nbytes} bytes; {in_use} of the {memory_budget}-byte "
@@ -139,9 +146,9 @@ def load_model(model_dir: Path, version: str, device: torch.device | None = None
         cfg = ModelConfig(**smoke["config"])
         state = read_tensors(files, index, device)
         with torch.device("meta"):
-            model = TinyTransformer(cfg)
-        model.load_state_dict(state, assign=True, strict=True)
-        model.eval()
+            net = TinyTransformer(cfg)
+        net.load_state_dict(state, assign=True, strict=True)
+        net.eval()
     except LoadError:
         raise
     except VerifyError as e:
@@ -155,8 +162,8 @@ def load_model(model_dir: Path, version: str, device: torch.device | None = None
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - t0
-    smoke_test(model, smoke, version, device)
-    return LoadResult(model, device, nbytes, seconds)
+    smoke_test(net, smoke, version, device)
+    return LoadResult(net, device, nbytes, seconds)
 
 
 @torch.no_grad()

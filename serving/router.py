@@ -1,10 +1,10 @@
 """The readiness-gated inference router (aiohttp) around ``RoutingTable``.
 
 The admin API (``/admin/...``) needs the admin token (``Authorization: Bearer``); inference and
-metrics are open. Readiness is polled continuously (``GET /health/ready?model_version=V`` on every host for every known
-version); a failed forward or a host that answers "not ready" leaves the pool at once and the request
+metrics are open. Readiness is polled continuously (``GET /health/ready?model=M&model_version=V`` on every host
+for every known version of every model); a failed forward or a host that answers "not ready" leaves the pool at once and the request
 is retried on another host ready for the *same* version. The answer's ``X-Model-Version`` must match
-the version routed to, or it is discarded.
+the version routed to (and ``X-Model`` the model), or it is discarded.
 """
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ class Router:
 
     async def _check(self, model: str, host: str, addr: str, version: str) -> None:
         try:
-            async with self.http.get(f"{addr}/health/ready", params={"model_version": version},
+            async with self.http.get(f"{addr}/health/ready", params={"model": model, "model_version": version},
                                      timeout=aiohttp.ClientTimeout(total=1)) as r:
                 ok = r.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError):
@@ -102,9 +102,10 @@ class Router:
             tried.add(host)
             t0 = time.monotonic()
             try:
-                async with self.http.post(f"{addr}/v1/infer", json={**payload, "model_version": v}) as r:
+                async with self.http.post(f"{addr}/v1/infer", json={**payload, "model": model, "model_version": v}) as r:
                     body = await r.json(content_type=None)
-                    if r.status == 200 and r.headers.get("X-Model-Version") == v and body.get("model_version") == v:
+                    if (r.status == 200 and r.headers.get("X-Model-Version") == v and body.get("model_version") == v
+                            and r.headers.get("X-Model") == model and body.get("model") == model):
                         self.m_requests.labels(model, v, "ok").inc()
                         self._observe(model, v, True, t0)
                         return 200, {**body, "routed_host": host}
@@ -149,6 +150,7 @@ def make_app(router: Router) -> web.Application:
         model = request.match_info["model"]
         b = await body(request)
         version = b.pop("model_version", None)
+        b.pop("model", None)                    # the path names the model
         if version is not None and (not isinstance(version, str) or not _HOST.match(version)):
             raise bad_request(f"model_version {version!r} must be a version name (or absent)")
         status, out = await router.forward(model, version, b)

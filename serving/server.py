@@ -1,7 +1,9 @@
 """The per-host model server: loads verified versions, smoke-tests them, answers readiness per version.
 
-``GET /health/ready?model_version=V`` is 200 only when V is verified, loaded and passed its smoke test
-on this host: fail closed (no model, no ready). Inference answers carry ``X-Model-Version``.
+A version is a (model, version) pair: one host serves several models, and the same label in two
+models names two different checkpoints. ``GET /health/ready?model=M&model_version=V`` is 200 only
+when M's version V is verified, loaded and passed its smoke test on this host: fail closed (no
+model, no ready). Inference answers carry ``X-Model`` and ``X-Model-Version``.
 Load and unload need the admin token (``Authorization: Bearer``) and load only
 ``<store>/versions/<version id>/model`` under the peerd store it is configured with; health, versions,
 metrics and inference are open (read-only or the product itself).
@@ -24,7 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from peerd.conn_guard import run_guarded
 from peerd.http_input import bearer_ok
 from peerd.metrics import metrics_handler
-from serving.engine import Engine, ReferenceEngine, VersionGone
+from serving.engine import Engine, ReferenceEngine, VersionGone, VersionKey
 from serving.http_json import MAX_BODY, bad_request, json_object
 from serving.loader import LoadError
 
@@ -50,16 +52,18 @@ class ModelServer:
     memory_budget: int | None = None
     store_root: Path | None = None     # peerd's store: the only place versions are loaded from
     admin_token: str = ""              # required for load/unload; empty disables auth (in-process tests only)
-    versions: dict[str, VersionState] = field(default_factory=dict)
+    versions: dict[VersionKey, VersionState] = field(default_factory=dict)
     # fault injection for drills and tests (a version that passes its smoke test but serves badly):
-    # {version: {"delay_s": extra latency per request, "error_every": every Nth request answers 500,
-    #            "load_delay_s": extra time before a load starts}}
-    faults: dict[str, dict] = field(default_factory=dict)
+    # {(model, version): {"delay_s": extra latency per request, "error_every": every Nth request answers
+    #                     500, "load_delay_s": extra time before a load starts}}
+    faults: dict[VersionKey, dict] = field(default_factory=dict)
 
     def __post_init__(self):
         r = self.registry = CollectorRegistry()
-        self.m_requests = Counter("model_server_requests_total", "Inference requests", ["version", "outcome"], registry=r)
-        self.m_ready = Gauge("model_server_version_ready", "1 when a version is ready here", ["version"], registry=r)
+        self.m_requests = Counter("model_server_requests_total", "Inference requests", ["model", "version", "outcome"],
+                                  registry=r)
+        self.m_ready = Gauge("model_server_version_ready", "1 when a version is ready here", ["model", "version"],
+                             registry=r)
         self.m_loads = Counter("model_server_loads_total", "Load attempts", ["outcome"], registry=r)
         self._lock = asyncio.Lock()
         self.fault_count = 0
@@ -67,66 +71,74 @@ class ModelServer:
     def in_use(self) -> int:
         return sum(v.nbytes for v in self.versions.values() if v.state == "ready")
 
-    async def load(self, version: str, path: Path) -> VersionState:
+    async def load(self, key: VersionKey, path: Path) -> VersionState:
         async with self._lock:   # one load at a time per host
-            cur = self.versions.get(version)
+            cur = self.versions.get(key)
             if cur and cur.state == "ready":
                 return cur
-            ready = [v for v, s in self.versions.items() if s.state == "ready"]
+            ready = [k for k, s in self.versions.items() if s.state == "ready"]
             if len(ready) >= self.max_versions:
-                vs = VersionState("failed", f"already holding {len(ready)} versions ({', '.join(ready)}); unload one first",
+                vs = VersionState("failed", f"already holding {len(ready)} versions "
+                                            f"({', '.join('/'.join(k) for k in sorted(ready))}); unload one first",
                                   "capacity", path=str(path))
-                self.versions[version] = vs
+                self.versions[key] = vs
                 return vs
-            vs = self.versions[version] = VersionState("loading", path=str(path))
+            vs = self.versions[key] = VersionState("loading", path=str(path))
+            what = {"model": key.model, "version": key.version}
             try:
-                await asyncio.sleep(self.faults.get(version, {}).get("load_delay_s", 0.0))   # drills: a slow load
-                vs.nbytes = await asyncio.to_thread(self.engine.load, version, path, self.memory_budget, self.in_use())
-                if self.versions.get(version) is not vs:
+                await asyncio.sleep(self.faults.get(key, {}).get("load_delay_s", 0.0))   # drills: a slow load
+                vs.nbytes = await asyncio.to_thread(self.engine.load, key, path, self.memory_budget, self.in_use())
+                if self.versions.get(key) is not vs:
                     # unloaded while it was loading (an aborted rollout): the unload wins, nothing stays resident
-                    self.engine.unload(version)
+                    self.engine.unload(key)
                     vs.state, vs.reason, vs.code = "failed", "unloaded while it was loading", "unloaded"
                     self.m_loads.labels("unloaded").inc()
-                    log.info("load discarded: unloaded meanwhile", extra={"version": version})
+                    log.info("load discarded: unloaded meanwhile", extra=what)
                     return vs
                 vs.state = "ready"
                 self.m_loads.labels("ok").inc()
-                self.m_ready.labels(version).set(1)
-                log.info("version ready", extra={"version": version, "bytes": vs.nbytes})
+                self.m_ready.labels(*key).set(1)
+                log.info("version ready", extra={**what, "bytes": vs.nbytes})
             except LoadError as e:
                 vs.state, vs.reason, vs.code = "failed", str(e), e.code
                 self.m_loads.labels(e.code).inc()
-                log.warning("load failed", extra={"version": version, "code": e.code, "error": str(e)})
+                log.warning("load failed", extra={**what, "code": e.code, "error": str(e)})
             return vs
 
-    def unload(self, version: str) -> bool:
-        vs = self.versions.pop(version, None)
+    def unload(self, key: VersionKey) -> bool:
+        vs = self.versions.pop(key, None)
         if vs is None:
             return False
-        self.engine.unload(version)
-        self.m_ready.labels(version).set(0)
+        self.engine.unload(key)
+        self.m_ready.labels(*key).set(0)
         return True
 
 
 def make_app(ms: ModelServer) -> web.Application:
     app = web.Application(client_max_size=MAX_BODY)
 
-    def version_arg(v) -> str:
+    def key_arg(b) -> VersionKey:
+        """(model, model_version) of a request body or query: both names, both required."""
+        model, v = b.get("model"), b.get("model_version")
+        if not isinstance(model, str) or not _VERSION.match(model):
+            raise bad_request(f"model {model!r} must be a model name matching {_VERSION.pattern} "
+                              "(a host serves several models; say which)")
         if not isinstance(v, str) or not _VERSION.match(v):
             raise bad_request(f"model_version {v!r} must match {_VERSION.pattern}")
-        return v
+        return VersionKey(model, v)
 
     async def body(request) -> dict:
         return await json_object(request)
 
     async def ready(request):
-        v = version_arg(request.query.get("model_version", ""))
-        vs = ms.versions.get(v)
+        key = key_arg(request.query)
+        vs = ms.versions.get(key)
         if vs is None:
-            return web.json_response({"ready": False, "reason": f"version {v} is not loaded on {ms.host_id}"}, status=503)
+            return web.json_response({"ready": False, "reason": f"{key.model} {key.version} is not loaded on "
+                                                                f"{ms.host_id}"}, status=503)
         if vs.state != "ready":
             return web.json_response({"ready": False, "state": vs.state, "reason": vs.reason, "code": vs.code}, status=503)
-        return web.json_response({"ready": True, "version": v, "host": ms.host_id})
+        return web.json_response({"ready": True, "model": key.model, "version": key.version, "host": ms.host_id})
 
     def admin(request) -> None:
         if ms.admin_token and not bearer_ok(request, ms.admin_token):
@@ -162,51 +174,56 @@ def make_app(ms: ModelServer) -> web.Application:
     async def load(request):
         admin(request)
         b = await body(request)
-        v = version_arg(b.get("model_version"))
-        vs = await ms.load(v, store_path(b))
+        key = key_arg(b)
+        vs = await ms.load(key, store_path(b))
         status = 200 if vs.state == "ready" else 409
-        return web.json_response({"model_version": v, **vs.__dict__}, status=status)
+        return web.json_response({"model": key.model, "model_version": key.version, **vs.__dict__}, status=status)
 
     async def unload(request):
         admin(request)
         b = await body(request)
-        v = version_arg(b.get("model_version"))
-        if not ms.unload(v):
-            return web.json_response({"error": f"version {v} is not loaded on {ms.host_id}"}, status=404)
-        return web.json_response({"unloaded": v})
+        key = key_arg(b)
+        if not ms.unload(key):
+            return web.json_response({"error": f"{key.model} {key.version} is not loaded on {ms.host_id}"}, status=404)
+        return web.json_response({"unloaded": {"model": key.model, "version": key.version}})
 
     async def versions(_):
+        """Every version held, as a list: ``[{model, version, state, ...}]``."""
         return web.json_response({"host": ms.host_id, "device": ms.engine.device(),
-                                  "versions": {v: s.__dict__ for v, s in ms.versions.items()}})
+                                  "versions": [{"model": k.model, "version": k.version, **s.__dict__}
+                                               for k, s in sorted(ms.versions.items())]})
 
     async def infer(request):
         b = await body(request)
-        v = version_arg(b.get("model_version"))
+        key = key_arg(b)
+        v = key.version
         ids = b.get("input_ids")
         if (not isinstance(ids, list) or not ids or len(ids) > 64 or
                 not all(isinstance(r, list) and 0 < len(r) <= 64 and all(type(x) is int and 0 <= x < 512 for x in r)
                         for r in ids) or len({len(r) for r in ids}) != 1):
             return web.json_response({"error": "input_ids must be 1-64 equal-length rows of 1-64 token ids in [0, 512)"},
                                      status=400)
-        vs = ms.versions.get(v)
+        vs = ms.versions.get(key)
         if vs is None or vs.state != "ready":
-            ms.m_requests.labels(v, "not_ready").inc()
+            ms.m_requests.labels(*key, "not_ready").inc()
             known = vs is not None
-            return web.json_response({"error": f"version {v} is not ready on {ms.host_id}"}, status=409 if known else 404)
-        fault = ms.faults.get(v)
+            return web.json_response({"error": f"{key.model} {v} is not ready on {ms.host_id}"},
+                                     status=409 if known else 404)
+        fault = ms.faults.get(key)
         if fault:
             ms.fault_count += 1
             await asyncio.sleep(fault.get("delay_s", 0.0))
             if fault.get("error_every") and ms.fault_count % fault["error_every"] == 0:
-                ms.m_requests.labels(v, "injected_error").inc()
+                ms.m_requests.labels(*key, "injected_error").inc()
                 return web.json_response({"error": "injected fault"}, status=500)
         try:
-            out = await asyncio.to_thread(ms.engine.infer, v, ids)
+            out = await asyncio.to_thread(ms.engine.infer, key, ids)
         except VersionGone:
-            ms.m_requests.labels(v, "not_ready").inc()
-            return web.json_response({"error": f"version {v} was unloaded from {ms.host_id} meanwhile"}, status=409)
-        ms.m_requests.labels(v, "ok").inc()
-        return web.json_response({"model_version": v, "host": ms.host_id, **out}, headers={"X-Model-Version": v})
+            ms.m_requests.labels(*key, "not_ready").inc()
+            return web.json_response({"error": f"{key.model} {v} was unloaded from {ms.host_id} meanwhile"}, status=409)
+        ms.m_requests.labels(*key, "ok").inc()
+        return web.json_response({"model": key.model, "model_version": v, "host": ms.host_id, **out},
+                                 headers={"X-Model": key.model, "X-Model-Version": v})
 
     app.router.add_get("/health/ready", ready)
     app.router.add_post("/v1/load", load)

@@ -14,14 +14,14 @@ SMALL = ModelConfig(vocab=512, d_model=64, n_layers=2, n_heads=2, d_ff=128, max_
 
 
 def verified_version(tmp: Path, version: str, seed: int, key, config: ModelConfig = SMALL,
-                     tamper=None, algorithm: str = mf.HASH_ALGORITHM) -> Path:
+                     tamper=None, algorithm: str = mf.HASH_ALGORITHM, model: str = "tiny") -> Path:
     """Write a checkpoint, put it through peerd's store (every chunk verified), return the model dir.
 
     ``tamper(src_dir)`` may change the files before the manifest is built (a bad but signed checkpoint)."""
-    src = write_checkpoint(tmp / f"src-{version}", config, seed, shard_bytes=64 * 1024, version=version)
+    src = write_checkpoint(tmp / f"src-{model}-{version}", config, seed, shard_bytes=64 * 1024, version=version)
     if tamper:
         tamper(src)
-    m = mf.build_from_directory(src, "tiny", version, chunk_size=32 * 1024, algorithm=algorithm)
+    m = mf.build_from_directory(src, model, version, chunk_size=32 * 1024, algorithm=algorithm)
     store = ChunkStore(store_root(tmp))
     vs = store.open_version(m, json.dumps(mf.sign_manifest(m, key)).encode())
     vs.import_files(src)

@@ -72,7 +72,7 @@ PEERD_ROUTES = [("POST", "/v1/jobs"), ("POST", "/v1/gossip"), ("GET", "/v1/jobs/
                 ("GET", "/v1/versions/{}/chunks/{}"), ("DELETE", "/v1/versions/{}"), ("GET", "/healthz"),
                 ("DELETE", "/v1/jobs/{}"), ("DELETE", "/v1/jobs/{}?reason={}"), ("GET", "/v1/have")]
 SERVING_ROUTES = [("POST", "/v1/load"), ("POST", "/v1/unload"), ("POST", "/v1/infer"), ("GET", "/v1/versions"),
-                  ("GET", "/health/ready?model_version={}"),
+                  ("GET", "/health/ready?model=tiny&model_version={}"),
                   ("POST", "/v1/models/{}/infer"), ("PUT", "/admin/models/{}/hosts"), ("PUT", "/admin/models/{}/weights"),
                   ("POST", "/admin/models/{}/versions"), ("POST", "/admin/models/{}/permits/load"),
                   ("DELETE", "/admin/models/{}/permits/load/{}"), ("POST", "/admin/models/{}/permits/unload"),
@@ -115,7 +115,7 @@ def test_model_server_and_router_answer_every_client_input_with_less_than_500(tm
     apps = AppThread(server_app(ms), router_app(router))
     ms_addr, r_addr = apps.addrs
     try:
-        assert send(ms_addr, "POST", "/v1/load", json.dumps({"model_version": "v1", "version_id": v1.parent.name}).encode(),
+        assert send(ms_addr, "POST", "/v1/load", json.dumps({"model": "tiny", "model_version": "v1", "version_id": v1.parent.name}).encode(),
                     {"Authorization": f"Bearer {ADMIN}", "Content-Type": "application/json"}) == 200
 
         @SETTINGS
@@ -128,7 +128,7 @@ def test_model_server_and_router_answer_every_client_input_with_less_than_500(tm
             designed_503 = path.startswith(("/health/ready", "/v1/models/")) and status == 503
             assert status < 500 or designed_503, (target, method, path.format(*segs), body[:80], status)
         probe()
-        assert send(ms_addr, "GET", "/health/ready?model_version=v1", b"", {}) in (200, 503)
+        assert send(ms_addr, "GET", "/health/ready?model=tiny&model_version=v1", b"", {}) in (200, 503)
         assert send(r_addr, "GET", "/metrics", b"", {}) == 200
     finally:
         apps.stop()

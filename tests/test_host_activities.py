@@ -34,20 +34,58 @@ async def test_successive_rollouts_retire_old_versions(tmp_path, keys):
 
         assert (await load("v1", ""))["retired"] == []
         assert (await load("v2", "v1"))["retired"] == []
-        assert sorted(ms.versions) == ["v1", "v2"]
+        assert sorted(ms.versions) == [("tiny", "v1"), ("tiny", "v2")]
         # v3 replaces v2: v1 is retired first, or the server (two versions at most) would refuse v3
         out = await load("v3", "v2")
         assert out["retired"] == ["v1"] and out["state"] == "ready"
-        assert sorted(ms.versions) == ["v2", "v3"]
+        assert sorted(ms.versions) == [("tiny", "v2"), ("tiny", "v3")]
 
         # with a router: a version still carrying traffic on its last host is not retired
         router.table.add_host("tiny", "h1", ms_addr)
         router.table.add_version("tiny", "v2")
         await router.poll_once()
         router.table.set_weights("tiny", {"v2": 100})
-        ms.unload("v3")
+        ms.unload(("tiny", "v3"))
         out = await load("v1", "", with_router=True)   # keep=[v1] only: v2 would be retired, but serves traffic
-        assert out["retired"] == [] and sorted(ms.versions) == ["v1", "v2"]
+        assert out["retired"] == [] and sorted(ms.versions) == [("tiny", "v1"), ("tiny", "v2")]
+    finally:
+        for r in runners:
+            await r.cleanup()
+
+
+async def test_a_rollout_retires_only_its_own_models_versions(tmp_path, keys):
+    """Two models on one host, the same label in both: rolling model "tiny" forward never unloads model
+    "other", even where "other" carries no traffic the router knows of under "tiny"."""
+    ms = ModelServer("h1", store_root=store_root(tmp_path), admin_token="adm", max_versions=4)
+    runners = []
+    r, ms_addr = await serve_app(server_app(ms))
+    runners.append(r)
+    router = Router(poll_interval=0.1, admin_token="adm")
+    r, router_addr = await serve_app(router_app(router))
+    runners.append(r)
+    try:
+        dirs = {(m, v): verified_version(tmp_path, v, seed=i, key=keys["private"], model=m)
+                for i, (m, v) in enumerate([("other", "v1"), ("tiny", "v1"), ("tiny", "v2"), ("tiny", "v3")])}
+
+        async def load(model: str, v: str, keep: list[str]) -> dict:
+            d = dirs[(model, v)]
+            acts = HostActivities("h1", "http://127.0.0.1:9", "", d.parent.parent.parent, ms_addr, admin_token="adm")
+            return await ActivityEnvironment().run(acts.load_version, LoadInput(v, d.parent.name, keep=keep,
+                                                                               router=router_addr, model=model))
+
+        assert (await load("other", "v1", ["v1"]))["retired"] == []
+        router.table.add_host("other", "h1", ms_addr)
+        router.table.add_version("other", "v1")
+        await router.poll_once()
+        router.table.set_weights("other", {"v1": 100})
+        router.table.add_host("tiny", "h1", ms_addr)
+        assert (await load("tiny", "v1", ["v1"]))["retired"] == []
+        assert (await load("tiny", "v2", ["v2", "v1"]))["retired"] == []
+        out = await load("tiny", "v3", ["v3", "v2"])
+        assert out["retired"] == ["v1"]                                   # tiny's v1, not other's
+        assert sorted(ms.versions) == [("other", "v1"), ("tiny", "v2"), ("tiny", "v3")]
+        await router.poll_once()
+        assert router.table.models["other"].ready_hosts("v1") == ["h1"]   # other still answers
     finally:
         for r in runners:
             await r.cleanup()

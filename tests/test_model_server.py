@@ -31,31 +31,31 @@ async def test_readiness_is_per_version_and_fails_closed(tmp_path, keys):
     runner, addr = await serve(make_app(ms))
     try:
         async with aiohttp.ClientSession() as s:
-            assert (await call(s, "GET", addr + "/health/ready?model_version=v1"))[0] == 503   # nothing loaded
-            st, body, _ = await call(s, "POST", addr + "/v1/load", json={"model_version": "v1", "path": str(v1)}, headers=ADM)
+            assert (await call(s, "GET", addr + "/health/ready?model=tiny&model_version=v1"))[0] == 503   # nothing loaded
+            st, body, _ = await call(s, "POST", addr + "/v1/load", json={"model": "tiny", "model_version": "v1", "path": str(v1)}, headers=ADM)
             assert st == 200 and body["state"] == "ready"
-            assert (await call(s, "GET", addr + "/health/ready?model_version=v1"))[0] == 200
-            assert (await call(s, "GET", addr + "/health/ready?model_version=v2"))[0] == 503
-            st, body, hdr = await call(s, "POST", addr + "/v1/infer", json={"model_version": "v1", "input_ids": [[1, 2, 3]]})
+            assert (await call(s, "GET", addr + "/health/ready?model=tiny&model_version=v1"))[0] == 200
+            assert (await call(s, "GET", addr + "/health/ready?model=tiny&model_version=v2"))[0] == 503
+            st, body, hdr = await call(s, "POST", addr + "/v1/infer", json={"model": "tiny", "model_version": "v1", "input_ids": [[1, 2, 3]]})
             assert st == 200 and hdr["X-Model-Version"] == "v1" and len(body["next_token"]) == 1
-            st, body, _ = await call(s, "POST", addr + "/v1/infer", json={"model_version": "v9", "input_ids": [[1]]})
+            st, body, _ = await call(s, "POST", addr + "/v1/infer", json={"model": "tiny", "model_version": "v9", "input_ids": [[1]]})
             assert st == 404 and "v9" in body["error"]
             # two versions side by side, then the old one unloaded
-            st, _, _ = await call(s, "POST", addr + "/v1/load", json={"model_version": "v2", "path": str(v2)}, headers=ADM)
+            st, _, _ = await call(s, "POST", addr + "/v1/load", json={"model": "tiny", "model_version": "v2", "path": str(v2)}, headers=ADM)
             assert st == 200
-            a = (await call(s, "POST", addr + "/v1/infer", json={"model_version": "v1", "input_ids": [[5, 6]]}))[1]
-            b = (await call(s, "POST", addr + "/v1/infer", json={"model_version": "v2", "input_ids": [[5, 6]]}))[1]
+            a = (await call(s, "POST", addr + "/v1/infer", json={"model": "tiny", "model_version": "v1", "input_ids": [[5, 6]]}))[1]
+            b = (await call(s, "POST", addr + "/v1/infer", json={"model": "tiny", "model_version": "v2", "input_ids": [[5, 6]]}))[1]
             assert a["logits_head"] != b["logits_head"]
-            assert (await call(s, "POST", addr + "/v1/unload", json={"model_version": "v1"}, headers=ADM))[0] == 200
-            assert (await call(s, "GET", addr + "/health/ready?model_version=v1"))[0] == 503
+            assert (await call(s, "POST", addr + "/v1/unload", json={"model": "tiny", "model_version": "v1"}, headers=ADM))[0] == 200
+            assert (await call(s, "GET", addr + "/health/ready?model=tiny&model_version=v1"))[0] == 503
             # bad input: clear 4xx
-            assert (await call(s, "POST", addr + "/v1/infer", json={"model_version": "v2", "input_ids": [[9999]]}))[0] == 400
+            assert (await call(s, "POST", addr + "/v1/infer", json={"model": "tiny", "model_version": "v2", "input_ids": [[9999]]}))[0] == 400
             assert (await call(s, "POST", addr + "/v1/infer", data=b"{"))[0] == 400
-            assert (await call(s, "GET", addr + "/health/ready?model_version=../x"))[0] == 400
-            assert (await call(s, "POST", addr + "/v1/load", json={"model_version": "v3", "path": "/nonexistent"}, headers=ADM))[0] == 400
+            assert (await call(s, "GET", addr + "/health/ready?model=tiny&model_version=../x"))[0] == 400
+            assert (await call(s, "POST", addr + "/v1/load", json={"model": "tiny", "model_version": "v3", "path": "/nonexistent"}, headers=ADM))[0] == 400
             async with s.get(addr + "/metrics") as r:
                 text = await r.text()
-            assert 'model_server_requests_total{outcome="ok",version="v1"}' in text
+            assert 'model_server_requests_total{model="tiny",outcome="ok",version="v1"}' in text
     finally:
         await runner.cleanup()
 
@@ -67,13 +67,13 @@ async def test_oom_during_load_keeps_the_old_version_serving(tmp_path, keys):
     runner, addr = await serve(make_app(ms))
     try:
         async with aiohttp.ClientSession() as s:
-            assert (await call(s, "POST", addr + "/v1/load", json={"model_version": "v1", "path": str(v1)}, headers=ADM))[0] == 200
+            assert (await call(s, "POST", addr + "/v1/load", json={"model": "tiny", "model_version": "v1", "path": str(v1)}, headers=ADM))[0] == 200
             ms.memory_budget = ms.in_use() + 10            # room for v1 only
-            st, body, _ = await call(s, "POST", addr + "/v1/load", json={"model_version": "v2", "path": str(v2)}, headers=ADM)
+            st, body, _ = await call(s, "POST", addr + "/v1/load", json={"model": "tiny", "model_version": "v2", "path": str(v2)}, headers=ADM)
             assert st == 409 and body["code"] == "oom" and "Unload" in body["reason"]
-            assert (await call(s, "GET", addr + "/health/ready?model_version=v2"))[0] == 503
-            assert (await call(s, "GET", addr + "/health/ready?model_version=v1"))[0] == 200
-            st, body, _ = await call(s, "POST", addr + "/v1/infer", json={"model_version": "v1", "input_ids": [[1]]})
+            assert (await call(s, "GET", addr + "/health/ready?model=tiny&model_version=v2"))[0] == 503
+            assert (await call(s, "GET", addr + "/health/ready?model=tiny&model_version=v1"))[0] == 200
+            st, body, _ = await call(s, "POST", addr + "/v1/infer", json={"model": "tiny", "model_version": "v1", "input_ids": [[1]]})
             assert st == 200
     finally:
         await runner.cleanup()
@@ -92,30 +92,30 @@ async def test_load_and_unload_need_the_admin_token_and_load_only_from_the_store
     try:
         async with aiohttp.ClientSession() as s:
             for hdr in ({}, {"Authorization": "Bearer wrong"}):
-                st, body, _ = await call(s, "POST", addr + "/v1/load", json={"model_version": "v1",
+                st, body, _ = await call(s, "POST", addr + "/v1/load", json={"model": "tiny", "model_version": "v1",
                                                                            "version_id": v1.parent.name}, headers=hdr)
                 assert st == 401 and "admin token" in body["error"]
-                assert (await call(s, "POST", addr + "/v1/unload", json={"model_version": "v1"}, headers=hdr))[0] == 401
+                assert (await call(s, "POST", addr + "/v1/unload", json={"model": "tiny", "model_version": "v1"}, headers=hdr))[0] == 401
             for path in (str(rogue), str(v1 / ".." / ".." / ".." / ".." / "elsewhere"), str(tmp_path)):
-                st, body, _ = await call(s, "POST", addr + "/v1/load", json={"model_version": "v1", "path": path},
+                st, body, _ = await call(s, "POST", addr + "/v1/load", json={"model": "tiny", "model_version": "v1", "path": path},
                                          headers=ADM)
                 assert st == 400 and "peerd store" in body["error"]
             st, body, _ = await call(s, "POST", addr + "/v1/load", headers=ADM,
-                                     json={"model_version": "v1", "version_id": "f" * 64})
+                                     json={"model": "tiny", "model_version": "v1", "version_id": "f" * 64})
             assert st == 404
             st, body, _ = await call(s, "POST", addr + "/v1/load", headers=ADM,
-                                     json={"model_version": "v1", "version_id": ["not", "a", "string"]})
+                                     json={"model": "tiny", "model_version": "v1", "version_id": ["not", "a", "string"]})
             assert st == 400
             assert ms.versions == {}
             st, body, _ = await call(s, "POST", addr + "/v1/load", headers=ADM,
-                                     json={"model_version": "v1", "version_id": v1.parent.name})
+                                     json={"model": "tiny", "model_version": "v1", "version_id": v1.parent.name})
             assert st == 200 and body["state"] == "ready"
             # a malformed inference request is the client's fault: 400, and the server stays ready
             for bad in ([[True]], [[1.0]], [["1"]], [[1], [1, 2]], "x"):
-                st, body, _ = await call(s, "POST", addr + "/v1/infer", json={"model_version": "v1", "input_ids": bad})
+                st, body, _ = await call(s, "POST", addr + "/v1/infer", json={"model": "tiny", "model_version": "v1", "input_ids": bad})
                 assert st == 400, bad
             assert (await call(s, "POST", addr + "/v1/infer", data=b"[" * 50_000))[0] == 400
-            assert (await call(s, "GET", addr + "/health/ready?model_version=v1"))[0] == 200
+            assert (await call(s, "GET", addr + "/health/ready?model=tiny&model_version=v1"))[0] == 200
     finally:
         await runner.cleanup()
 
@@ -128,10 +128,49 @@ async def test_a_request_racing_an_unload_gets_409_not_500(tmp_path, keys):
     runner, addr = await serve(make_app(ms))
     try:
         async with aiohttp.ClientSession() as s:
-            assert (await call(s, "POST", addr + "/v1/load", json={"model_version": "v1", "path": str(v1)},
+            assert (await call(s, "POST", addr + "/v1/load", json={"model": "tiny", "model_version": "v1", "path": str(v1)},
                                headers=ADM))[0] == 200
-            ms.engine.unload("v1")                        # the engine lets go first, the state still says ready
-            st, body, _ = await call(s, "POST", addr + "/v1/infer", json={"model_version": "v1", "input_ids": [[1]]})
+            ms.engine.unload(("tiny", "v1"))                        # the engine lets go first, the state still says ready
+            st, body, _ = await call(s, "POST", addr + "/v1/infer", json={"model": "tiny", "model_version": "v1", "input_ids": [[1]]})
             assert st == 409 and "unloaded" in body["error"]
+    finally:
+        await runner.cleanup()
+
+
+async def test_the_same_label_in_two_models_is_two_versions(tmp_path, keys):
+    """A host serves several models: (model, version) is the key everywhere, so "v1" of two models
+    loads, answers, reports readiness and unloads on its own; a request that does not say which model,
+    or names the wrong one for the stored bytes, is refused."""
+    tiny = verified_version(tmp_path, "v1", seed=1, key=keys["private"])
+    other = verified_version(tmp_path, "v1", seed=2, key=keys["private"], model="other")
+    ms = ModelServer("h1", store_root=store_root(tmp_path), admin_token=ADMIN)
+    runner, addr = await serve(make_app(ms))
+    try:
+        async with aiohttp.ClientSession() as s:
+            for model, d in (("tiny", tiny), ("other", other)):
+                st, body, _ = await call(s, "POST", addr + "/v1/load", headers=ADM,
+                                         json={"model": model, "model_version": "v1", "version_id": d.parent.name})
+                assert st == 200 and body["state"] == "ready" and body["model"] == model
+            a = await call(s, "POST", addr + "/v1/infer", json={"model": "tiny", "model_version": "v1", "input_ids": [[5, 6]]})
+            b = await call(s, "POST", addr + "/v1/infer", json={"model": "other", "model_version": "v1", "input_ids": [[5, 6]]})
+            assert a[0] == b[0] == 200 and a[2]["X-Model"] == "tiny" and b[2]["X-Model"] == "other"
+            assert a[1]["logits_head"] != b[1]["logits_head"]          # two checkpoints, not one
+            st, body, _ = await call(s, "GET", addr + "/v1/versions")
+            assert sorted((v["model"], v["version"], v["state"]) for v in body["versions"]) == [
+                ("other", "v1", "ready"), ("tiny", "v1", "ready")]
+            assert (await call(s, "POST", addr + "/v1/unload", json={"model": "tiny", "model_version": "v1"},
+                               headers=ADM))[0] == 200
+            assert (await call(s, "GET", addr + "/health/ready?model=tiny&model_version=v1"))[0] == 503
+            assert (await call(s, "GET", addr + "/health/ready?model=other&model_version=v1"))[0] == 200
+            # no model named: a clear 400, never a guess
+            st, body, _ = await call(s, "GET", addr + "/health/ready?model_version=v1")
+            assert st == 400 and "model" in body["error"]
+            st, body, _ = await call(s, "POST", addr + "/v1/infer", json={"model_version": "v1", "input_ids": [[1]]})
+            assert st == 400 and "model" in body["error"]
+            # bytes of model "other" asked for as model "tiny": refused as the wrong version
+            st, body, _ = await call(s, "POST", addr + "/v1/load", headers=ADM,
+                                     json={"model": "tiny", "model_version": "v1", "version_id": other.parent.name})
+            assert st == 409 and body["code"] == "wrong_version" and "other" in body["reason"]
+            assert ("tiny", "v1") not in {k for k, v in ms.versions.items() if v.state == "ready"}
     finally:
         await runner.cleanup()

@@ -59,7 +59,7 @@ async def test_bad_and_slow_versions_roll_back_automatically_a_good_one_passes(t
         for version, fault, words in [("v2", {"error_every": 3}, "error rate"),
                                       ("v3", {"delay_s": 0.08}, "p99 latency")]:
             for server in s.servers.values():       # loads and smoke-tests fine, then serves badly
-                server.faults = {version: fault}
+                server.faults = {("tiny", version): fault}
             handle = await release(s, tmp_path, seaweed, keys, version, "v1", traffic_steps=[50, 100],
                                    analysis=ANALYSIS)
             with pytest.raises(WorkflowFailureError) as e:
@@ -69,7 +69,7 @@ async def test_bad_and_slow_versions_roll_back_automatically_a_good_one_passes(t
             verdict = st.analyses[-1]
             assert verdict["verdict"] == "fail" and verdict["new"]["requests"] >= 10 and verdict["baseline"]["requests"]
             assert weights() == {"v1": 100} or weights().get("v1") == 100
-            assert all(version not in srv.versions for srv in s.servers.values())   # discarded everywhere
+            assert all(("tiny", version) not in srv.versions for srv in s.servers.values())   # discarded everywhere
 
         for server in s.servers.values():
             server.faults = {}

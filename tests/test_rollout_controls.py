@@ -130,7 +130,7 @@ async def test_abort_during_a_traffic_dwell_does_not_wait_for_it(tmp_path, seawe
         assert time.monotonic() - t0 < ACT_WITHIN_S
         # no previous version to return to: v1 still serves its 10 %, so it is left loaded and stored
         assert s.stack.router.table.models["tiny"].weights.get("v1") == 10
-        assert "v1" in s.servers["a"].versions and s.m.digest in await stored(s, "a")
+        assert ("tiny", "v1") in s.servers["a"].versions and s.m.digest in await stored(s, "a")
     finally:
         await s.stop()
 
@@ -177,7 +177,7 @@ async def test_abort_during_a_slow_load_cancels_it_and_nothing_stays_loaded(tmp_
     s = await Stack().start(tmp_path, seaweed, keys, ["a", "b"])
     try:
         for server in s.servers.values():
-            server.faults = {"v1": {"load_delay_s": 6.0}}    # a load that takes a while (a large checkpoint)
+            server.faults = {("tiny", "v1"): {"load_delay_s": 6.0}}    # a load that takes a while (a large checkpoint)
         handle = await start_rollout(s.client, s.input(), f"rollout-tiny-v1-{uuid.uuid4().hex[:6]}")
 
         async def loading():
@@ -191,7 +191,7 @@ async def test_abort_during_a_slow_load_cancels_it_and_nothing_stays_loaded(tmp_
         assert time.monotonic() - t0 < ACT_WITHIN_S                  # did not wait for the 6 s load
 
         async def nothing_resident():                                # the load finishes, then drops itself
-            return all("v1" not in srv.versions and "v1" not in srv.engine.models for srv in s.servers.values())
+            return all(("tiny", "v1") not in srv.versions and ("tiny", "v1") not in srv.engine.models for srv in s.servers.values())
         await until(nothing_resident, 15, "the aborted version gone from every model server")
         for h in ("a", "b"):
             assert s.m.digest not in await stored(s, h)

@@ -39,7 +39,7 @@ async def test_admin_auth_bad_requests_and_permits(tmp_path, keys):
             assert (await call(s, "PUT", f"{base}/hosts", json={"h1": ms_addr}, headers=ADM))[0] == 200
             assert (await call(s, "POST", f"{base}/versions", json={"version": "v1"}, headers=ADM))[0] == 200
             assert (await call(s, "POST", f"{ms_addr}/v1/load", headers=ADM,
-                               json={"model_version": "v1", "version_id": v1.parent.name}))[0] == 200
+                               json={"model": "tiny", "model_version": "v1", "version_id": v1.parent.name}))[0] == 200
             for w in (b'{"weights": {"v1": NaN}}', b'{"weights": {"v1": Infinity}}', b'{"weights": {"v1": 1e999}}',
                       b'{"weights": {"v1": true}}'):
                 st, body = await call(s, "PUT", f"{base}/weights", data=w, headers=ADM)

@@ -65,7 +65,7 @@ async def test_full_shift_with_kills_misroutes_nothing(tmp_path, keys):
             for v in ("v1", "v2"):
                 await post(f"{raddr}/admin/models/tiny/versions", {"version": v})
             for h in HOSTS:
-                await post(f"{addrs[h]}/v1/load", {"model_version": "v1", "path": str(dirs["v1"])})
+                await post(f"{addrs[h]}/v1/load", {"model": "tiny", "model_version": "v1", "path": str(dirs["v1"])})
             await post(f"{raddr}/admin/models/tiny/weights", {"weights": {"v1": 1}})
             # weight for a version with no ready host is refused
             st, body = await post(f"{raddr}/admin/models/tiny/weights", {"weights": {"v1": 50, "v2": 50}}, ok=(409,))
@@ -76,7 +76,7 @@ async def test_full_shift_with_kills_misroutes_nothing(tmp_path, keys):
             for step, (h, w2) in enumerate([("h0", 1), ("h1", 10), ("h2", 50), (None, 100)]):
                 if h:
                     st, body = await post(f"{raddr}/admin/models/tiny/permits/load", {"host": h})
-                    await post(f"{addrs[h]}/v1/load", {"model_version": "v2", "path": str(dirs["v2"])})
+                    await post(f"{addrs[h]}/v1/load", {"model": "tiny", "model_version": "v2", "path": str(dirs["v2"])})
                     async with s.delete(f"{raddr}/admin/models/tiny/permits/load/{h}") as r:
                         assert r.status == 200
                 if step == 1:
@@ -88,7 +88,7 @@ async def test_full_shift_with_kills_misroutes_nothing(tmp_path, keys):
             # the old version is drained and unloaded within the floor rule
             for h in ("h0", "h1"):
                 st, _ = await post(f"{raddr}/admin/models/tiny/permits/unload", {"host": h, "version": "v1"})
-                await post(f"{addrs[h]}/v1/unload", {"model_version": "v1"})
+                await post(f"{addrs[h]}/v1/unload", {"model": "tiny", "model_version": "v1"})
             await asyncio.sleep(0.3)
             stop.set()
             await asyncio.gather(*clients)

@@ -58,7 +58,7 @@ def test_serving_processes_need_a_token_and_shed_silent_connections(module, extr
     proc = start(module, port, *extra, token="s3cret")
     try:
         wait_up(port, "/metrics")
-        body = json.dumps({"model_version": "v1"}).encode()
+        body = json.dumps({"model": "tiny", "model_version": "v1"}).encode()
         method = "GET" if module == "serving.router" else "POST"
         plain = urllib.request.Request(f"http://127.0.0.1:{port}{admin_path}", data=body if method == "POST" else None,
                                        method=method)

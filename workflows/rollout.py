@@ -5,6 +5,12 @@ Phases (visible as current details and the ``RolloutPhase`` search attribute): m
 Deterministic: no I/O here, activities are named, time comes from the workflow clock.
 History stays bounded: hosts fan out through one child workflow per batch, and the load phase
 continues-as-new (carrying its state) once the history passes ``max_history_events``.
+
+Every step that calls out (the manifest check, each host's load, each traffic step, each canary
+analysis) runs through ``_step``: one attempt per activity, retried here with back-off rather than by
+the server, so that a pause or an abort cancels a retrying step at once in every phase, status shows
+which step is failing and why, and a step failing for longer than ``stuck_after_s`` pauses the
+rollout as stuck instead of retrying out of sight.
 """
 from __future__ import annotations
 
@@ -14,21 +20,33 @@ from datetime import timedelta
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy, SearchAttributeKey
-from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflowError
+from temporalio.exceptions import (ActivityError, ApplicationError, FailureError, TimeoutError as TemporalTimeout,
+                                   TimeoutType)
 
 with workflow.unsafe.imports_passed_through():
     from peerd.seeders import MAX_SEEDERS, seeders_across_racks
     from workflows.host_batch import HostBatchWorkflow
+    from workflows.rollout_legacy import MAX_PENDING_LOADS, LegacyRolloutPaths
     from workflows.types import (CONTROL_QUEUE, AnalysisInput, AnalysisResult, DiscardInput, DistributeInput,
-                                 HostBatchInput, HostOutcome, LoadInput, ManifestCheck, ManifestInfo, RolloutCarry,
-                                 RolloutInput, RolloutStatus, TrafficInput)
+                                 HostBatchInput, HostOutcome, HostSpec, LoadInput, ManifestCheck, ManifestInfo,
+                                 RolloutCarry, RolloutInput, RolloutStatus, TrafficInput)
 
 PHASE = SearchAttributeKey.for_keyword("RolloutPhase")
-MAX_PENDING_LOADS = 1000      # Temporal allows 2,000 pending activities per workflow
+STEPS_PATCH = "controls-preempt-retries"
+BACKOFF_MAX_S = 30.0          # retries of a failing step: 1, 2, 4, ... seconds, at most this
+DONE_STATES = ("verified", "loading", "ready")
+
+
+def _final(e: ActivityError) -> bool:
+    """A failure that retrying will not mend: refused as non-retryable, or never picked up by a worker."""
+    cause = e.cause
+    if isinstance(cause, ApplicationError) and cause.non_retryable:
+        return True
+    return isinstance(cause, TemporalTimeout) and cause.type == TimeoutType.SCHEDULE_TO_START
 
 
 @workflow.defn
-class RolloutWorkflow:
+class RolloutWorkflow(LegacyRolloutPaths):
     def __init__(self) -> None:
         self.phase = "starting"
         self.hosts: dict[str, str] = {}
@@ -37,6 +55,7 @@ class RolloutWorkflow:
         self.abort_reason = ""
         self.max_loads = 2
         self.loading = 0
+        self.peak_loading = 0         # most loads running at once (status: the concurrency limit at work)
         self.traffic: dict[str, int] = {}
         self.bytes_total = 0
         self.version_id = ""
@@ -45,9 +64,14 @@ class RolloutWorkflow:
         self._phase_t0 = 0.0
         self.runs = 1
         self.acked_failures = 0       # failures the operator has seen and resumed past
-        self.controls_act_now = False  # pause/abort stop distribution and dwell at once (patched)
+        self.controls_act_now = False  # legacy runs: pause/abort stop distribution and dwell at once
         self.detail = ""
         self.analyses: list[dict] = []     # the last canary judgments (status)
+        self.held: dict[str, int] = {}     # host -> verified bytes kept while its download is stopped
+        self.retrying: dict[str, dict] = {}   # step -> its latest failure and next retry
+        self.stuck = ""                    # a step failing past stuck_after_s, until resumed
+        self.holding = False               # a pause has been acted on: nothing runs until resume
+        self._before_pause = ""
 
     # ---------------------------------------------------------------- controls
     @workflow.query
@@ -55,13 +79,25 @@ class RolloutWorkflow:
         counts: dict[str, int] = {}
         for s in self.hosts.values():
             counts[s] = counts.get(s, 0) + 1
-        done = sum(1 for s in self.hosts.values() if s in ("verified", "loading", "ready"))
+        done = sum(1 for s in self.hosts.values() if s in DONE_STATES)
+        held = sum(b for h, b in self.held.items() if self.hosts.get(h) not in DONE_STATES)
         return RolloutStatus(phase=self.phase, hosts=dict(self.hosts), counts=counts,
-                             bytes_done=done * self.bytes_total, bytes_total=len(self.hosts) * self.bytes_total,
+                             bytes_done=done * self.bytes_total + held,
+                             bytes_total=len(self.hosts) * self.bytes_total,
                              paused=self.paused, traffic=dict(self.traffic), errors=dict(self.errors),
                              version_id=self.version_id, batches=list(self.batches),
                              phase_seconds=dict(self.phase_seconds), runs=self.runs, detail=self.detail,
-                             analyses=list(self.analyses))
+                             analyses=list(self.analyses), held=dict(self.held),
+                             retrying=list(self.retrying.values()), stuck=self.stuck, control=self._control(),
+                             peak_loads=self.peak_loading)
+
+    def _control(self) -> str:
+        """A control asked for and not yet acted on, in words."""
+        if self.abort_reason and self.phase not in ("failed", "done"):
+            return f"abort requested ({self.abort_reason}): stopping {self.phase}"
+        if self.paused and not self.holding and self.phase not in ("failed", "done"):
+            return f"pause requested: stopping what {self.phase} is running"
+        return ""
 
     @workflow.signal
     def pause(self) -> None:
@@ -70,6 +106,7 @@ class RolloutWorkflow:
     @workflow.signal
     def resume(self) -> None:
         self.paused = False
+        self.stuck = ""
 
     @workflow.update
     def abort(self, reason: str) -> str:
@@ -104,11 +141,93 @@ class RolloutWorkflow:
         workflow.upsert_search_attributes([PHASE.value_set(phase)])
         workflow.set_current_details(f"**{phase}** {detail}".strip())
 
+    def _controlled(self) -> bool:
+        return self.paused or bool(self.abort_reason)
+
     async def _checkpoint(self) -> None:
-        """Between steps: honour pause and abort."""
+        """Honour pause and abort: an abort raises Aborted, a pause holds until resume (or abort)."""
+        if self.paused and not self.abort_reason:
+            self.holding = True
         await workflow.wait_condition(lambda: not self.paused or bool(self.abort_reason))
+        self.holding = False
         if self.abort_reason:
             raise ApplicationError(f"aborted: {self.abort_reason}", type="Aborted", non_retryable=True)
+
+    async def _hold(self) -> None:
+        """``_checkpoint``, saying in the UI that the rollout is paused while it holds."""
+        if self.paused and not self.abort_reason and not self.detail.startswith(("PAUSED", "STUCK")):
+            self._before_pause = self.detail
+            self._set_phase(self.phase, f"PAUSED by an operator during: {self.detail or self.phase}; resume or abort")
+        await self._checkpoint()
+        if self.detail.startswith(("PAUSED", "STUCK")):
+            self._set_phase(self.phase, f"resumed: {self._before_pause}".strip())
+
+    async def _dwell(self, seconds: float) -> None:
+        """A timer that an abort ends and a pause restarts: a bake or an observation window is
+        ``seconds`` of uninterrupted running."""
+        while True:
+            try:
+                await workflow.wait_condition(self._controlled, timeout=timedelta(seconds=seconds))
+                await self._hold()
+            except asyncio.TimeoutError:
+                return
+
+    async def _step(self, inp: RolloutInput, label: str, activity: str, arg, *, queue: str, summary: str,
+                    result_type=None, attempts: int = 0, timeout_s: float = 30.0,
+                    schedule_to_start_s: float | None = None, heartbeat_s: float | None = None):
+        """One step of the rollout: ``activity`` run one attempt at a time, retried here with back-off
+        (1 s doubling to BACKOFF_MAX_S) up to ``attempts`` (0: no limit but ``stuck_after_s``). A pause
+        or an abort cancels the running attempt or the wait for the next one at once; a pause then
+        holds and runs the step again on resume. A step failing for ``stuck_after_s`` pauses the
+        rollout as stuck, with its error. Raises ActivityError when it gives up, Aborted on abort."""
+        attempt, failing_since = 0, None
+        try:
+            while True:
+                await self._hold()
+                attempt += 1
+                act = workflow.start_activity(
+                    activity, arg, task_queue=queue, result_type=result_type,
+                    start_to_close_timeout=timedelta(seconds=timeout_s),
+                    schedule_to_start_timeout=timedelta(seconds=schedule_to_start_s) if schedule_to_start_s else None,
+                    heartbeat_timeout=timedelta(seconds=heartbeat_s) if heartbeat_s else None,
+                    retry_policy=RetryPolicy(maximum_attempts=1),
+                    summary=summary if attempt == 1 else f"{summary} (attempt {attempt})")
+                await workflow.wait_condition(lambda: act.done() or self._controlled())
+                if not act.done():                  # a control arrived: cancel this attempt, then hold or abort
+                    act.cancel()
+                    await asyncio.gather(act, return_exceptions=True)
+                    attempt -= 1
+                    continue
+                try:
+                    return act.result()
+                except ActivityError as e:
+                    if _final(e) or (attempts and attempt >= attempts):
+                        raise
+                    error = str(e.cause or e)
+                now = workflow.time()
+                failing_since = now if failing_since is None else failing_since
+                delay = min(BACKOFF_MAX_S, 2.0 ** (attempt - 1))
+                self.retrying[label] = {
+                    "step": label, "activity": activity, "attempt": attempt, "error": error[:500],
+                    "failing_for_s": round(now - failing_since, 1),
+                    "next_retry_at": (workflow.now() + timedelta(seconds=delay)).isoformat()}
+                if now - failing_since >= inp.stuck_after_s:
+                    self.stuck = (f"{label} has failed for {now - failing_since:.0f} s ({attempt} attempts): "
+                                  f"{error[:300]}")
+                    self.paused, failing_since = True, None
+                    self._before_pause = self.detail if not self.detail.startswith("STUCK") else self._before_pause
+                    self._set_phase(self.phase, f"STUCK, PAUSED: {self.stuck}; mend it and resume, or abort")
+                    continue
+                await self._dwell_once(delay)
+        finally:
+            self.retrying.pop(label, None)
+
+    async def _dwell_once(self, seconds: float) -> None:
+        """Wait ``seconds`` unless a control arrives first (the caller then holds or aborts)."""
+        try:
+            await workflow.wait_condition(self._controlled, timeout=timedelta(seconds=seconds))
+        except asyncio.TimeoutError:
+            pass
 
     @workflow.run
     async def run(self, inp: RolloutInput) -> dict:
@@ -119,32 +238,34 @@ class RolloutWorkflow:
         self.max_loads = inp.max_concurrent_loads
         self.hosts = {h.id: "pending" for h in inp.hosts}
         self._phase_t0 = workflow.time()
-        # histories recorded before this patch checked pause/abort only between phases
-        self.controls_act_now = workflow.patched("controls-act-now")
+        if not workflow.patched(STEPS_PATCH):
+            return await self._v1_entry(inp)         # a history recorded before steps were preemptible
+        self.controls_act_now = True
         try:
             if inp.carry:
                 return await self._resume(inp, inp.carry)
             return await self._run(inp)
         except ApplicationError as e:
-            failure = await self._after_abort(inp, e) if e.type == "Aborted" else None
+            failure = await self._after_abort(inp) if e.type == "Aborted" else None
+            self.retrying.clear()
             self._set_phase("failed", str(failure or e))
             if failure:
                 raise failure from None
             raise
 
-    async def _after_abort(self, inp: RolloutInput, e: ApplicationError) -> ApplicationError | None:
+    async def _after_abort(self, inp: RolloutInput) -> ApplicationError | None:
         """Traffic back to the previous version, then the aborted version taken off every host. Returns
         the error to end with when moving traffic back failed (the workflow still ends failed, saying so)."""
+        self.retrying.clear()
         if inp.router and inp.previous_version:
-            if not self.controls_act_now:
-                await self._traffic(inp, {inp.previous_version: 100}, [])   # histories before the patch
-                return None
+            self._set_phase("aborting", f"moving traffic back to {inp.previous_version}")
             try:
-                await self._traffic(inp, {inp.previous_version: 100}, [])
+                await self._traffic_now(inp, {inp.previous_version: 100})
             except ActivityError as te:
-                return ApplicationError(f"{e.message}; AND moving traffic back to {inp.previous_version} failed: "
-                                        f"{te.cause or te}", type="RollbackFailed", non_retryable=True)
-        if not self.controls_act_now or not self.version_id:
+                return ApplicationError(f"aborted: {self.abort_reason}; AND moving traffic back to "
+                                        f"{inp.previous_version} failed: {te.cause or te}", type="RollbackFailed",
+                                        non_retryable=True)
+        if not self.version_id:
             return None
         if self.traffic.get(inp.version):
             # no previous version to move its traffic to: it keeps serving, so it stays where it is
@@ -153,7 +274,7 @@ class RolloutWorkflow:
             return None
         self._set_phase("aborting", f"removing {inp.version} from {len(inp.hosts)} hosts")
         results = await asyncio.gather(*(workflow.execute_activity(
-            "discard_version", DiscardInput(inp.version, self.version_id), task_queue=h.queue,
+            "discard_version", DiscardInput(inp.version, self.version_id, inp.model), task_queue=h.queue,
             schedule_to_start_timeout=timedelta(seconds=inp.unreachable_after_s),
             start_to_close_timeout=timedelta(seconds=120), retry_policy=RetryPolicy(maximum_attempts=3),
             summary=f"discard {inp.version} on {h.id}") for h in inp.hosts), return_exceptions=True)
@@ -168,14 +289,14 @@ class RolloutWorkflow:
         self._set_phase("manifest", "checking the signature")
         try:
             if inp.manifest is not None:   # by reference: the activity fetches it and checks digest and signature
-                info: ManifestInfo = await workflow.execute_activity(
-                    "check_manifest_ref", ManifestCheck(inp.manifest, inp.origin), task_queue=CONTROL_QUEUE,
-                    result_type=ManifestInfo, start_to_close_timeout=timedelta(minutes=5),
-                    retry_policy=RetryPolicy(maximum_attempts=5), summary="fetch and verify the signed manifest")
+                info: ManifestInfo = await self._step(
+                    inp, "manifest", "check_manifest_ref", ManifestCheck(inp.manifest, inp.origin),
+                    queue=CONTROL_QUEUE, result_type=ManifestInfo, attempts=5, timeout_s=300,
+                    summary="fetch and verify the signed manifest")
             else:
-                info = await workflow.execute_activity(
-                    "check_manifest", inp.signed_manifest, task_queue=CONTROL_QUEUE, result_type=ManifestInfo,
-                    start_to_close_timeout=timedelta(minutes=5), summary="verify manifest signature")
+                info = await self._step(inp, "manifest", "check_manifest", inp.signed_manifest, queue=CONTROL_QUEUE,
+                                        result_type=ManifestInfo, attempts=1, timeout_s=300,
+                                        summary="verify manifest signature")
         except ActivityError as e:
             raise ApplicationError(f"manifest refused, nothing loaded: {e.cause}", type="ManifestRefused",
                                    non_retryable=True) from None
@@ -184,70 +305,60 @@ class RolloutWorkflow:
                                    non_retryable=True)
         self.bytes_total, self.version_id = info.bytes_total, info.version_id
 
-        await self._checkpoint()
+        await self._hold()
         self._set_phase("distribute", f"{len(inp.hosts)} hosts, {info.bytes_total} bytes")
-        for h in self.hosts:
-            self.hosts[h] = "downloading"
         seeders = seeders_across_racks([(h.id, h.rack) for h in inp.hosts], MAX_SEEDERS)
-        dist = DistributeInput(inp.signed_manifest, inp.origin, seeders, inp.manifest)
-        batches = [inp.hosts[i:i + inp.batch_size] for i in range(0, len(inp.hosts), inp.batch_size)]
-        if self.controls_act_now:
-            results = await self._distribute_until_stopped(inp, dist, batches)
-        else:
-            results = await self._batch_children(inp, dist, batches)
-        for outcome in (o for batch in results for o in batch):
-            self.hosts[outcome.host] = outcome.state
-            if outcome.error:
-                self.errors[outcome.host] = outcome.error
+        await self._distribute(inp, DistributeInput(inp.signed_manifest, inp.origin, seeders, inp.manifest))
         await self._budget(inp)
 
         self._set_phase("verify", "every chunk was checked against the signed manifest on arrival")
-        await self._checkpoint()
+        await self._hold()
         self._set_phase("load", f"at most {self.max_loads} hosts at a time")
         return await self._load_and_shift(inp, info)
 
-    async def _distribute_until_stopped(self, inp: RolloutInput, dist: DistributeInput,
-                                        batches: list[list]) -> list[list[HostOutcome]]:
-        """The batch children, stopped the moment a pause or an abort arrives: cancelling a child cancels
-        its distribute activities, which stop peerd's downloads (verified chunks stay). On resume the
-        children start again (new ids) and every host continues from its bitmap."""
-        attempt = 0
-        while True:
-            suffix = "" if attempt == 0 else f"-r{attempt}"
-            run = asyncio.ensure_future(self._batch_children(inp, dist, batches, suffix))
-            await workflow.wait_condition(lambda: run.done() or self.paused or bool(self.abort_reason))
-            if run.done():
-                return run.result()
-            run.cancel()
-            try:
-                await run
-            except (asyncio.CancelledError, ChildWorkflowError):
-                pass                                    # the children acknowledged the cancellation
-            if not self.abort_reason:
-                for h in self.hosts:
-                    self.hosts[h] = "paused"
-                self._set_phase("distribute", "PAUSED: downloads stopped, verified chunks kept; resume or abort")
-            await self._checkpoint()
-            self._set_phase("distribute", f"resumed: {len(inp.hosts)} hosts continue from their bitmaps")
-            for h in self.hosts:
-                self.hosts[h] = "downloading"
-            attempt += 1
+    async def _distribute(self, inp: RolloutInput, dist: DistributeInput) -> None:
+        """The batch children, stopped by signal the moment a pause or an abort arrives: each host stops
+        peerd's download and reports the verified bytes it keeps (status shows them while paused). On
+        resume new children (new ids) start for the hosts not yet done; each continues from its bitmap."""
+        todo: list[HostSpec] = list(inp.hosts)
+        round_ = 0
+        while todo:
+            for h in todo:
+                self.hosts[h.id] = "downloading"
+            batches = [todo[i:i + inp.batch_size] for i in range(0, len(todo), inp.batch_size)]
+            suffix = "" if round_ == 0 else f"-r{round_}"
+            self.batches = [f"{workflow.info().workflow_id}-batch-{i}{suffix}" for i in range(len(batches))]
+            children = await asyncio.gather(*(workflow.start_child_workflow(
+                HostBatchWorkflow.run, HostBatchInput(b, dist, inp.unreachable_after_s, inp.heartbeat_timeout_s,
+                                                      stoppable=True),
+                id=self.batches[i], result_type=list[HostOutcome]) for i, b in enumerate(batches)))
+            await workflow.wait_condition(lambda: all(c.done() for c in children) or self._controlled())
+            await asyncio.gather(*(self._stop_batch(c) for c in children if not c.done()))
+            for outcome in (o for batch in await asyncio.gather(*children) for o in batch):
+                if outcome.state == "stopped":
+                    self.hosts[outcome.host] = "paused"
+                    if outcome.bytes_held >= 0:
+                        self.held[outcome.host] = outcome.bytes_held
+                    continue
+                self.hosts[outcome.host] = outcome.state
+                self.held.pop(outcome.host, None)
+                if outcome.error:
+                    self.errors[outcome.host] = outcome.error
+            todo = [h for h in inp.hosts if self.hosts[h.id] == "paused"]
+            if todo:
+                if not self.abort_reason:
+                    self._set_phase("distribute", f"PAUSED: {len(todo)} downloads stopped, verified chunks kept "
+                                                  f"({sum(self.held.get(h.id, 0) for h in todo)} bytes); resume or abort")
+                await self._checkpoint()
+                self._set_phase("distribute", f"resumed: {len(todo)} hosts continue from their bitmaps")
+                round_ += 1
 
-    def _batch_children(self, inp: RolloutInput, dist: DistributeInput, batches: list[list], suffix: str = ""):
-        """One HostBatchWorkflow child per batch (ids ``<workflow id>-batch-<i><suffix>``), gathered."""
-        self.batches = [f"{workflow.info().workflow_id}-batch-{i}{suffix}" for i in range(len(batches))]
-        return asyncio.gather(*(
-            workflow.execute_child_workflow(
-                HostBatchWorkflow.run, HostBatchInput(b, dist, inp.unreachable_after_s, inp.heartbeat_timeout_s),
-                id=self.batches[i], result_type=list[HostOutcome])
-            for i, b in enumerate(batches)))
-
-    async def _unless_aborted(self, seconds: float) -> None:
-        """A timer that an abort ends early."""
+    @staticmethod
+    async def _stop_batch(child) -> None:
         try:
-            await workflow.wait_condition(lambda: bool(self.abort_reason), timeout=timedelta(seconds=seconds))
-        except asyncio.TimeoutError:
-            pass
+            await child.signal(HostBatchWorkflow.stop)
+        except FailureError:
+            pass        # it ended meanwhile: its outcomes are final, nothing to stop
 
     async def _resume(self, inp: RolloutInput, c: RolloutCarry) -> dict:
         """A continued-as-new run: restore the state and carry on loading."""
@@ -268,25 +379,24 @@ class RolloutWorkflow:
         ready = [h for h, s in self.hosts.items() if s == "ready"]
 
         if inp.router:
+            servers = {h.id: h.model_server for h in inp.hosts if h.id in ready}
             for step in inp.traffic_steps:
-                await self._checkpoint()
+                await self._hold()
                 self._set_phase("traffic", f"{step}% to {inp.version}")
                 weights = {inp.version: step}
                 if inp.previous_version and step < 100:
                     weights[inp.previous_version] = 100 - step
-                await self._traffic(inp, weights, ready)
+                await self._step(inp, f"traffic {step}%", "set_traffic",
+                                 TrafficInput(inp.router, inp.model, weights, servers, sorted(weights)),
+                                 queue=CONTROL_QUEUE, summary=f"traffic {weights}")
+                self.traffic = dict(weights)
                 if inp.analysis is not None and step < 100:
                     await self._analyze(inp, step)          # the judged window replaces the dwell
-                elif not workflow.patched("dwell-between-steps-only"):
-                    await workflow.sleep(timedelta(seconds=inp.step_wait_s))   # histories before the patch
                 elif step != inp.traffic_steps[-1] and inp.step_wait_s > 0:
-                    if self.controls_act_now:       # the dwell ends early on an abort
-                        await self._unless_aborted(inp.step_wait_s)
-                    else:
-                        await workflow.sleep(timedelta(seconds=inp.step_wait_s))
+                    await self._dwell(inp.step_wait_s)
         self._set_phase("done", f"{len(ready)} of {len(inp.hosts)} hosts ready on {inp.version}")
         return {"version_id": info.version_id, "ready": sorted(ready), "hosts": dict(self.hosts),
-                "errors": dict(self.errors), "traffic": dict(self.traffic)}
+                "errors": dict(self.errors), "traffic": dict(self.traffic), "peak_loads": self.peak_loading}
 
     async def _analyze(self, inp: RolloutInput, step: int) -> None:
         """Observe ``interval_s``, judge the new version against the previous one; a failure aborts (and
@@ -295,13 +405,11 @@ class RolloutWorkflow:
         cfg = inp.analysis
         for _ in range(cfg.max_inconclusive + 1):
             self._set_phase("traffic", f"{step}% to {inp.version}: observing for {cfg.interval_s:g} s")
-            await self._unless_aborted(cfg.interval_s)
-            await self._checkpoint()
-            res: AnalysisResult = await workflow.execute_activity(
-                "analyze_traffic", AnalysisInput(inp.router, inp.model, inp.version, inp.previous_version, cfg),
-                task_queue=CONTROL_QUEUE, result_type=AnalysisResult, start_to_close_timeout=timedelta(seconds=30),
-                retry_policy=RetryPolicy(initial_interval=timedelta(seconds=1), maximum_attempts=10),
-                summary=f"analysis at {step}%")
+            await self._dwell(cfg.interval_s)
+            res: AnalysisResult = await self._step(
+                inp, f"analysis at {step}%", "analyze_traffic",
+                AnalysisInput(inp.router, inp.model, inp.version, inp.previous_version, cfg),
+                queue=CONTROL_QUEUE, result_type=AnalysisResult, attempts=10, summary=f"analysis at {step}%")
             self.analyses = [*self.analyses[-19:], {"step": step, "verdict": res.verdict, "reason": res.reason,
                                                     "new": res.new, "baseline": res.baseline}]
             if res.verdict == "pass":
@@ -323,78 +431,65 @@ class RolloutWorkflow:
             self.acked_failures = len(bad)
 
     async def _load_all(self, inp: RolloutInput, info: ManifestInfo) -> bool:
-        """Staged loading, at most ``max_loads`` at once. False: the history grew too long, the loads in
-        flight were drained and the caller continues-as-new for the rest."""
+        """Staged loading, at most ``max_loads`` at once (``set_max_concurrent_loads`` changes it while it
+        runs). False: the history grew too long, the loads in flight were drained and the caller
+        continues-as-new for the rest. A pause holds every load (each cancels its running attempt and
+        runs again on resume); an abort ends them all."""
         queues = {h.id: h.queue for h in inp.hosts}
-        verified = [h for h, s in self.hosts.items() if s == "verified"]
-        if not workflow.patched("staged-load-loop"):
-            # Histories recorded before this patch: every waiting load saw the same free slot, so the cap
-            # was not enforced. Kept only so those histories replay.
-            await asyncio.gather(*(self._load_unstaged(h, queues[h], inp, info) for h in verified))
-            return True
-        started = []
+        started: list[asyncio.Task] = []
         try:
-            for host in verified:
-                await workflow.wait_condition(lambda: self.loading < min(self.max_loads, MAX_PENDING_LOADS)
-                                              or self._abort_now())
+            for host in [h for h, s in self.hosts.items() if s == "verified"]:
+                while True:
+                    await workflow.wait_condition(lambda: self.loading < min(self.max_loads, MAX_PENDING_LOADS)
+                                                  or self._controlled())
+                    if not self._controlled():
+                        break
+                    await self._hold()
                 if (workflow.info().get_current_history_length() > inp.max_history_events
                         or workflow.info().is_continue_as_new_suggested()):
                     await self._drain(started)
                     return False
-                await self._checkpoint()
                 self.loading += 1
+                self.peak_loading = max(self.peak_loading, self.loading)
                 self.hosts[host] = "loading"
                 started.append(asyncio.ensure_future(self._load(host, queues[host], inp, info)))
             await self._drain(started)
         except ApplicationError:
-            # aborted: loads in flight are cancelled (their activities heartbeat, so the host hears it
-            # within a second), not waited for; the discard that follows unloads what they loaded
-            for t in started:
-                t.cancel()
-            await asyncio.gather(*started, return_exceptions=True)
+            await asyncio.gather(*started, return_exceptions=True)   # each ends on the abort by itself
             raise
         return True
 
-    def _abort_now(self) -> bool:
-        return self.controls_act_now and bool(self.abort_reason)
-
-    async def _drain(self, started: list) -> None:
-        """Wait for the loads in flight; with the controls patch an abort interrupts the wait."""
-        if not self.controls_act_now:
-            await asyncio.gather(*started)
-            return
-        await workflow.wait_condition(lambda: all(t.done() for t in started) or bool(self.abort_reason))
-        if self.abort_reason:
-            await self._checkpoint()                    # raises Aborted
-
-    async def _load_unstaged(self, host: str, queue: str, inp: RolloutInput, info: ManifestInfo) -> None:
-        await workflow.wait_condition(lambda: self.loading < self.max_loads)
-        self.loading += 1
-        self.hosts[host] = "loading"
-        await self._load(host, queue, inp, info)
+    async def _drain(self, started: list[asyncio.Task]) -> None:
+        """Wait for the loads in flight; an abort ends them (they raise it)."""
+        for r in await asyncio.gather(*started, return_exceptions=True):
+            if isinstance(r, BaseException):
+                raise r
 
     async def _load(self, host: str, queue: str, inp: RolloutInput, info: ManifestInfo) -> None:
-        # older versions make room (unloaded, then removed from the store); pinned ones stay on disk
+        # older versions of this model make room (unloaded, then removed from the store); pinned ones stay on disk
         keep = [v for v in (inp.version, inp.previous_version) if v]
         try:
-            await workflow.execute_activity(
-                "load_version", LoadInput(inp.version, info.version_id, keep, inp.router, inp.model,
-                                          list(inp.pinned_versions or [])), task_queue=queue,
-                schedule_to_start_timeout=timedelta(seconds=inp.unreachable_after_s),
-                start_to_close_timeout=timedelta(minutes=30),
-                retry_policy=RetryPolicy(maximum_attempts=3), summary=f"load {inp.version} on {host}")
+            await self._step(inp, f"load {host}", "load_version",
+                             LoadInput(inp.version, info.version_id, keep, inp.router, inp.model,
+                                       list(inp.pinned_versions or [])),
+                             queue=queue, attempts=3, timeout_s=1800, schedule_to_start_s=inp.unreachable_after_s,
+                             heartbeat_s=inp.heartbeat_timeout_s, summary=f"load {inp.version} on {host}")
             self.hosts[host] = "ready"
         except ActivityError as e:
-            self.hosts[host] = "failed"
-            self.errors[host] = str(e.cause or e)
+            cause = e.cause
+            unreachable = isinstance(cause, TemporalTimeout) and cause.type == TimeoutType.SCHEDULE_TO_START
+            self.hosts[host] = "unreachable" if unreachable else "failed"
+            self.errors[host] = f"no worker polled {queue}" if unreachable else str(cause or e)
         finally:
             self.loading -= 1
 
-    async def _traffic(self, inp: RolloutInput, weights: dict[str, int], ready: list[str]) -> None:
+    async def _traffic_now(self, inp: RolloutInput, weights: dict[str, int]) -> None:
+        """Set the weights while aborting: no control can preempt it, so its retries are bounded (about
+        half a minute) and a failure is reported, not waited out."""
         await workflow.execute_activity(
-            "set_traffic", TrafficInput(inp.router, inp.model, weights,
-                                        {h.id: h.model_server for h in inp.hosts if h.id in ready}, sorted(weights)),
+            "set_traffic", TrafficInput(inp.router, inp.model, weights, {}, sorted(weights)),
             task_queue=CONTROL_QUEUE, start_to_close_timeout=timedelta(seconds=30),
-            retry_policy=RetryPolicy(initial_interval=timedelta(seconds=1), maximum_attempts=30),
-            summary=f"traffic {weights}")
+            retry_policy=RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=8),
+                                     maximum_attempts=6),
+            summary=f"traffic {weights} (abort)")
         self.traffic = dict(weights)

@@ -76,6 +76,7 @@ class RolloutInput:
     manifest: ManifestRef | None = None   # the manifest by reference (what `weightcast publish` sends)
     pinned_versions: list[str] = field(default_factory=list)   # kept on disk besides this and the previous one
     analysis: AnalysisConfig | None = None   # judge each traffic step before the next (None: timer only)
+    stuck_after_s: float = 300.0          # a step failing this long pauses the rollout as stuck, with the reason
 
     def problems(self) -> list[str]:
         """Everything wrong with this input, in words an operator can act on (empty when valid)."""
@@ -129,7 +130,8 @@ class RolloutInput:
             out.append(f"traffic_steps must rise strictly within (0, 100] and end at 100, got {steps!r}")
         if not _within(self.batch_size, 1, 1000, integer=True):
             out.append(f"batch_size must be in [1, 1000] (Temporal's pending-activity limit is 2000), got {self.batch_size!r}")
-        for what, low in (("unreachable_after_s", 1e-9), ("heartbeat_timeout_s", 1e-9), ("step_wait_s", 0)):
+        for what, low in (("unreachable_after_s", 1e-9), ("heartbeat_timeout_s", 1e-9), ("step_wait_s", 0),
+                          ("stuck_after_s", 1e-9)):
             if not _within(getattr(self, what), low, float("inf")):
                 out.append(f"{what} must be {'positive' if low else 'zero or more'}, got {getattr(self, what)!r}")
         if not _within(self.max_history_events, 1000, float("inf"), integer=True):
@@ -172,6 +174,8 @@ class DistributeResult:
     bytes_total: int
     bytes_by_source: dict
     seconds: float
+    stopped: bool = False                 # stopped before complete (the rollout paused or aborted)
+    bytes_held: int = 0                   # verified bytes on the host's disk when it stopped
 
 
 @dataclass
@@ -198,6 +202,7 @@ class DiscardInput:
     """After an abort: take this version off a host (model server and peerd's store)."""
     version: str
     version_id: str
+    model: str = ""                       # "": the model the stored manifest names
 
 
 @dataclass
@@ -206,15 +211,17 @@ class HostBatchInput:
     distribute: DistributeInput
     unreachable_after_s: float
     heartbeat_timeout_s: float = 30.0
+    stoppable: bool = False               # the parent stops the batch by signal; hosts report bytes held
 
 
 @dataclass
 class HostOutcome:
     host: str
-    state: str                            # verified | failed | unreachable
+    state: str                            # verified | failed | unreachable | stopped
     error: str = ""
     bytes_total: int = 0
     seconds: float = 0.0
+    bytes_held: int = -1                  # stopped: verified bytes kept on disk (-1: the host did not say)
 
 
 @dataclass
@@ -303,3 +310,8 @@ class RolloutStatus:
     runs: int = 1                                          # 1 + continue-as-new count
     detail: str = ""                                       # what the phase is doing or waiting for, and why
     analyses: list[dict] = field(default_factory=list)     # the last canary judgments: step, verdict, numbers
+    held: dict[str, int] = field(default_factory=dict)     # host -> verified bytes kept while its download stopped
+    retrying: list[dict] = field(default_factory=list)     # steps failing now: step, activity, attempt, next retry, error
+    stuck: str = ""                                        # a step failing past stuck_after_s (the rollout pauses)
+    control: str = ""                                      # a pause or abort asked for and not yet acted on
+    peak_loads: int = 0                                    # most hosts loading at once so far

@@ -50,6 +50,7 @@ class EmbeddedStack:
     ui_port: int = 0
     router_port: int = 0
     supervise: bool = False                  # restart dead parts with back-off (dev up); fault tests keep it off
+    max_versions: int = 4                    # per model server: two models, each with a new and a previous version
 
     async def start(self) -> "EmbeddedStack":
         self.root.mkdir(parents=True, exist_ok=True)
@@ -79,7 +80,8 @@ class EmbeddedStack:
         self.hosts: list[HostSpec] = []
         self.host_workers: dict[str, ModuleProc] = {}
         for i in self.host_ids:
-            self.model_servers[i] = ModelServer(i, store_root=self.peerd[i].store, admin_token=self.admin_token)
+            self.model_servers[i] = ModelServer(i, store_root=self.peerd[i].store, admin_token=self.admin_token,
+                                                max_versions=self.max_versions)
             r, addr = await serve_app(server_app(self.model_servers[i]))
             self.runners.append(r)
             self.hosts.append(HostSpec(i, model_server=addr))
