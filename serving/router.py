@@ -154,7 +154,8 @@ def make_app(router: Router) -> web.Application:
         if version is not None and (not isinstance(version, str) or not _HOST.match(version)):
             raise bad_request(f"model_version {version!r} must be a version name (or absent)")
         status, out = await router.forward(model, version, b)
-        return web.json_response(out, status=status)
+        headers = {"X-Model": model, "X-Model-Version": out["model_version"]} if status == 200 else None
+        return web.json_response(out, status=status, headers=headers)
 
     async def put_hosts(request):
         model = request.match_info["model"]

@@ -22,6 +22,7 @@ class Stack:
         self.m = mf.build_from_directory(src, "tiny", "v1", chunk_size=64 * 1024)
         self.signed = json.dumps(mf.sign_manifest(self.m, keys["private"]))
         self.origin = await publish(seaweed, src, f"r/{uuid.uuid4().hex[:8]}")
+        self.tmp, self.seaweed, self.keys = tmp, seaweed, keys
         self.stack = await EmbeddedStack(tmp / "stack", keys["pub_path"], ids, s3=seaweed, rate=rate,
                                          supervise=supervise).start()
         self.client, self.servers = self.stack.client, self.stack.model_servers
@@ -29,10 +30,21 @@ class Stack:
         return self
 
     def input(self, **kw) -> RolloutInput:
+        kw.setdefault("model", "tiny")
         kw.setdefault("version", "v1")
         kw.setdefault("signed_manifest", self.signed)
-        return RolloutInput(model="tiny", origin=self.origin,
-                            hosts=list(self.hosts), router=self.router_addr, step_wait_s=0.2, **kw)
+        kw.setdefault("origin", self.origin)
+        kw.setdefault("step_wait_s", 0.2)
+        return RolloutInput(hosts=list(self.hosts), router=self.router_addr, **kw)
+
+    async def publish(self, model: str, version: str, seed: int, config=SMALL) -> dict:
+        """Another signed checkpoint in S3: the ``input()`` fields that roll it out."""
+        src = write_checkpoint(self.tmp / f"ckpt-{model}-{version}", config, seed=seed, shard_bytes=64 * 1024,
+                               version=version)
+        m = mf.build_from_directory(src, model, version, chunk_size=64 * 1024)
+        origin = await publish(self.seaweed, src, f"r/{uuid.uuid4().hex[:8]}")
+        return {"model": model, "version": version, "origin": origin,
+                "signed_manifest": json.dumps(mf.sign_manifest(m, self.keys["private"]))}
 
     async def stop(self):
         await self.stack.stop()

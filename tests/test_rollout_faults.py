@@ -73,7 +73,7 @@ async def test_host_worker_sigkilled_mid_distribution_resumes(tmp_path, seaweed,
     try:
         wid, handle = await rollout_mid_distribution(s, heartbeat_timeout_s=2)
         live = await live_progress(s, wid, "a")     # what `weightcast rollout status` shows mid-distribution
-        assert 0 < live["progress"]["a"]["bytes_done"] < s.m.total_size and live["stuck"] == []
+        assert 0 < live["progress"]["a"]["bytes_done"] < s.m.total_size and live["stuck"] == {}
         assert live["progress"]["a"]["chunks_total"] == len(s.m.chunks) and live["phase"] == "distribute"
         s.stack.host_workers["a"].kill()
         await asyncio.sleep(0.5)

@@ -350,15 +350,22 @@ WATCH_PAUSED = 4          # `--wait`/`--watch` exit code: the rollout waits for 
 
 async def _watch(client, workflow_id: str) -> int:
     """Live view until the rollout ends (0 completed, 1 failed) or pauses (4, with the reason): a
-    progress bar of bytes, hosts by state, stuck hosts. Rides out Temporal outages (the rollout does):
-    reconnects with back-off and says so."""
+    progress bar of bytes, hosts by state; stuck hosts, a failing step and a control not yet acted on
+    are printed as they appear. Rides out Temporal outages (the rollout does): reconnects with
+    back-off and says so."""
     from temporalio.client import WorkflowExecutionStatus
     from temporalio.service import RPCError
-    from weightcast.rollout_status import SILENT_AFTER_S, live_status
+    from weightcast.rollout_status import live_status
     h = client.get_workflow_handle(workflow_id)
     t0 = asyncio.get_running_loop().time()
     bar = Progress(workflow_id)
     backoff = 1.0
+    said: set[str] = set()
+
+    def say(line: str) -> None:            # each line once, not once a second
+        if line not in said:
+            said.add(line)
+            print(f"\n{line}", file=sys.stderr)
     while True:
         try:
             st = await live_status(client, workflow_id)
@@ -374,21 +381,24 @@ async def _watch(client, workflow_id: str) -> int:
         total = max(1, st["bytes_total"])
         bar(asyncio.get_running_loop().time() - t0, st["bytes_done"] if st["phase"] == "distribute" else
             st["counts"].get("ready", 0) * total / max(1, len(st["hosts"])), total)
-        for host in st["stuck"]:
-            p = st["progress"][host]
-            why = (f"silent for {p['heartbeat_age_s']} s" if (p["heartbeat_age_s"] or 0) >= SILENT_AFTER_S
-                   else f"no chunk verified for {p['idle_s']} s")
-            print(f"\nstuck: {host}: {why}, attempt {p['attempt']}"
-                  + (f", last error: {p['last_error']}" if p["last_error"] else ""), file=sys.stderr)
+        for host, why in sorted(st["stuck"].items()):
+            say(f"stuck: {host}: {why}")
+        for r in st["retrying"]:
+            say(f"retrying: {r['step']} ({r['activity']}), attempt {r['attempt']} failed: {r['error']}")
+        if st["stuck_step"]:
+            say(f"STUCK: {st['stuck_step']}")
+        if st["control"]:
+            say(st["control"])
         if desc.status != WorkflowExecutionStatus.RUNNING:
             bar.close()
             print(json.dumps({"status": desc.status.name, "phase": st["phase"], "hosts": st["counts"],
                               "traffic": st["traffic"], "errors": st["errors"], "detail": st["detail"]}))
             return 0 if desc.status == WorkflowExecutionStatus.COMPLETED else 1
-        if st["paused"]:
+        if st["paused"] and not st["control"]:
             bar.close()
-            print(json.dumps({"status": "PAUSED", "phase": st["phase"], "hosts": st["counts"],
-                              "errors": st["errors"], "detail": st["detail"]}))
+            print(json.dumps({"status": "STUCK" if st["stuck_step"] else "PAUSED", "phase": st["phase"],
+                              "hosts": st["counts"], "errors": st["errors"], "detail": st["detail"],
+                              "stuck": st["stuck_step"] or None}))
             print(f"paused: {st['detail'] or 'by an operator'}; `weightcast rollout resume {workflow_id}` or "
                   f"`weightcast rollout abort {workflow_id} --reason ...`", file=sys.stderr)
             return WATCH_PAUSED

@@ -14,6 +14,7 @@ from temporalio.worker import Worker
 
 from activities.host import HostActivities
 from activities.training import TrainingActivities
+from workers.inflight import InFlight
 from workers.stop_signal import stop_requested
 from workflows.types import host_queue
 
@@ -27,7 +28,7 @@ HEARTBEAT_EVERY_S = 1.0
 
 def build(client: Client, host_id: str, peerd_addr: str, token: str, store: Path, model_server: str,
           admin_token: str = "", heartbeat_every_s: float = HEARTBEAT_EVERY_S, train_dir: Path | None = None,
-          advertise_host: str = "127.0.0.1") -> Worker:
+          advertise_host: str = "127.0.0.1", inflight: InFlight | None = None) -> Worker:
     acts = HostActivities(host_id, peerd_addr, token, store, model_server, admin_token)
     train = TrainingActivities(host_id, train_dir or store.parent / "train", advertise_host,
                                peerd=peerd_addr, token=token, store=store)
@@ -36,7 +37,7 @@ def build(client: Client, host_id: str, peerd_addr: str, token: str, store: Path
                   activities=[acts.distribute, acts.load_version, acts.discard_version,
                               train.rendezvous, train.train_rank, train.set_run_control, train.export_weights],
                   max_concurrent_activities=8, max_heartbeat_throttle_interval=every,
-                  default_heartbeat_throttle_interval=every)
+                  default_heartbeat_throttle_interval=every, interceptors=[inflight] if inflight else [])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,17 +58,24 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "(default: next to --store, train/)")
     ap.add_argument("--advertise-host", default="127.0.0.1",
                     help="this host's address for other ranks (rank 0's rendezvous store)")
+    ap.add_argument("--inflight-file", type=Path,
+                    help="where the rollout activities running now are listed, so that after a crash the restarted "
+                         "worker hands them back at once (default: next to --store, host-worker.inflight.json)")
     ap.add_argument("--ready-file", type=Path, help="write {id, task_queue} JSON here once polling")
     return ap
 
 
 def main(argv=None) -> int:
+    from peerd.logging_setup import setup
     a = build_parser().parse_args(argv)
+    setup()
 
     async def run():
         client = await Client.connect(a.temporal, namespace=a.namespace)
+        inflight = InFlight(a.inflight_file or a.store.parent / "host-worker.inflight.json")
+        await inflight.release_orphans(client)        # before polling: what a crashed predecessor was running
         async with build(client, a.id, a.peerd, a.token, a.store, a.model_server, a.admin_token, a.heartbeat_every,
-                         a.train_dir, a.advertise_host):
+                         a.train_dir, a.advertise_host, inflight):
             if a.ready_file:
                 a.ready_file.write_text(json.dumps({"id": a.id, "task_queue": host_queue(a.id), "pid": os.getpid()}))
             await stop_requested()

@@ -51,7 +51,8 @@ class HostBatchWorkflow:
             return _failed(spec, e)
 
     async def _stoppable(self, spec: HostSpec, inp: HostBatchInput) -> HostOutcome:
-        act = self._distribute(spec, inp, cancellation_type=ActivityCancellationType.WAIT_CANCELLATION_COMPLETED)
+        act = self._distribute(spec, inp, cancellation_type=ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
+                               activity_id=f"distribute-{spec.id}")     # status names a host not yet started
         await workflow.wait_condition(lambda: act.done() or self.stopping)
         if not act.done():
             act.cancel()

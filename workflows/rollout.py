@@ -88,7 +88,7 @@ class RolloutWorkflow(LegacyRolloutPaths):
                              version_id=self.version_id, batches=list(self.batches),
                              phase_seconds=dict(self.phase_seconds), runs=self.runs, detail=self.detail,
                              analyses=list(self.analyses), held=dict(self.held),
-                             retrying=list(self.retrying.values()), stuck=self.stuck, control=self._control(),
+                             retrying=list(self.retrying.values()), stuck_step=self.stuck, control=self._control(),
                              peak_loads=self.peak_loading)
 
     def _control(self) -> str:
@@ -179,14 +179,15 @@ class RolloutWorkflow(LegacyRolloutPaths):
         (1 s doubling to BACKOFF_MAX_S) up to ``attempts`` (0: no limit but ``stuck_after_s``). A pause
         or an abort cancels the running attempt or the wait for the next one at once; a pause then
         holds and runs the step again on resume. A step failing for ``stuck_after_s`` pauses the
-        rollout as stuck, with its error. Raises ActivityError when it gives up, Aborted on abort."""
-        attempt, failing_since = 0, None
+        rollout as stuck, with its error. Raises ActivityError when it gives up, Aborted on abort.
+        Activity ids are ``<label>#<n>``: status tells from them which host a pending load is for."""
+        attempt, starts, failing_since = 0, 0, None
         try:
             while True:
                 await self._hold()
-                attempt += 1
+                attempt, starts = attempt + 1, starts + 1
                 act = workflow.start_activity(
-                    activity, arg, task_queue=queue, result_type=result_type,
+                    activity, arg, task_queue=queue, result_type=result_type, activity_id=f"{label}#{starts}",
                     start_to_close_timeout=timedelta(seconds=timeout_s),
                     schedule_to_start_timeout=timedelta(seconds=schedule_to_start_s) if schedule_to_start_s else None,
                     heartbeat_timeout=timedelta(seconds=heartbeat_s) if heartbeat_s else None,

@@ -312,6 +312,6 @@ class RolloutStatus:
     analyses: list[dict] = field(default_factory=list)     # the last canary judgments: step, verdict, numbers
     held: dict[str, int] = field(default_factory=dict)     # host -> verified bytes kept while its download stopped
     retrying: list[dict] = field(default_factory=list)     # steps failing now: step, activity, attempt, next retry, error
-    stuck: str = ""                                        # a step failing past stuck_after_s (the rollout pauses)
+    stuck_step: str = ""                                   # a step failing past stuck_after_s (the rollout pauses)
     control: str = ""                                      # a pause or abort asked for and not yet acted on
     peak_loads: int = 0                                    # most hosts loading at once so far
