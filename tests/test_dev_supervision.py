@@ -30,7 +30,7 @@ async def test_supervisor_restarts_with_back_off_and_logs(caplog):
             raise RuntimeError("still broken")       # fails twice, then stays up
         alive[0] = True
     sup = Supervisor(every=0.02, backoff_min=0.1, backoff_max=0.4).start()
-    sup.add("part", is_alive, restart)
+    sup.add("part", is_alive, restart, lambda: "exit code 3")
     for _ in range(200):
         if alive[0]:
             break
@@ -40,7 +40,8 @@ async def test_supervisor_restarts_with_back_off_and_logs(caplog):
     gaps = [b - a for a, b in zip(starts, starts[1:])]
     assert gaps[0] >= 0.1 and gaps[1] >= 0.2                # the back-off doubles
     assert "still broken" in sup.report()["part"]["last_error"]
-    assert any("restart failed" in r.message for r in caplog.records)
+    assert any(r.getMessage() == "restart of part failed" for r in caplog.records)
+    assert any(r.getMessage() == "part died (exit code 3); restarting it" for r in caplog.records)   # which, and how
 
 
 async def test_killed_parts_come_back_and_the_rollout_finishes(tmp_path, seaweed, keys):
@@ -63,7 +64,7 @@ async def test_killed_parts_come_back_and_the_rollout_finishes(tmp_path, seaweed
                 await asyncio.sleep(1)
         assert result["ready"] == ["a", "b"]
         restarts = s.stack.supervisor.report()
-        for part in ("peerd a", "host worker b", "temporal"):
+        for part in ("peerd a", "host worker b", "the Temporal server"):
             assert restarts[part]["restarts"] >= 1, restarts
         assert restarts["peerd b"]["restarts"] == 0
     finally:

@@ -212,10 +212,17 @@ async def test_the_cli_starts_watches_and_reports_a_run(tmp_path, keys, capsys):
                 assert saved[-1] == 40 and len(saved) > 1, saved     # the final one and ones due by time
                 final = json.loads(out.strip().splitlines()[-1])
                 assert final["status"] == "COMPLETED" and final["phase"] == "done" and final["final_loss"] > 0
-                rc, out = await cli("train", "status", "cli", "--temporal", target)
-                assert rc == 0
-                st = json.loads(out)
-                assert st["phase"] == "done" and st["ranks"] == ["t0", "t1"] and st["total_steps"] == 40
+                for name in ("cli", "train-cli"):        # the run name, or the workflow id `start` printed
+                    rc, out = await cli("train", "status", name, "--temporal", target)
+                    assert rc == 0
+                    st = json.loads(out)
+                    assert st["phase"] == "done" and st["ranks"] == ["t0", "t1"] and st["total_steps"] == 40
+                p = await asyncio.create_subprocess_exec(sys.executable, "-m", "weightcast.cli", "train", "status",
+                                                         "train-nope", "--temporal", target,
+                                                         stderr=asyncio.subprocess.PIPE)
+                _, err = await p.communicate()
+                assert p.returncode == 2 and "no training run 'train-nope'" in err.decode()   # not a traceback
+                assert "Traceback" not in err.decode()
                 assert (tmp_path / "out" / SMOKE).exists()
         finally:
             for p in procs.values():

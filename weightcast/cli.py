@@ -431,7 +431,8 @@ def _train_hosts(spec: str) -> list[str]:
 
 def cmd_train(a) -> int:
     """start | status | pause | resume | abort | checkpoint: durable training runs (TrainingWorkflow)."""
-    from weightcast.training_runs import check_training, start_training, training_id, training_status
+    from weightcast.training_runs import (UnknownRun, check_training, find_run, start_training, training_id,
+                                          training_status)
     from workflows.training import TrainingWorkflow
 
     if a.sub == "start":             # everything checked before connecting anywhere
@@ -453,17 +454,29 @@ def cmd_train(a) -> int:
             _print_started(h)
             if not a.wait:
                 return 0
+            run = a.run
+        else:
+            run = await find_run(client, a.run)        # the run name or the workflow id `start` printed
         if a.sub in ("start", "status") and (getattr(a, "wait", False) or getattr(a, "watch", False)):
-            return await _watch_training(client, a.run)
-        h = client.get_workflow_handle(training_id(a.run))
+            return await _watch_training(client, run)
+        h = client.get_workflow_handle(training_id(run))
         if a.sub == "status":
-            print(json.dumps(await training_status(client, a.run)))
+            print(json.dumps(await training_status(client, run)))
             return 0
         update = {"pause": TrainingWorkflow.pause, "resume": TrainingWorkflow.resume,
                   "abort": TrainingWorkflow.abort, "checkpoint": TrainingWorkflow.checkpoint_now}[a.sub]
         print(await h.execute_update(update, a.reason))
         return 0
-    return asyncio.run(go())
+
+    from temporalio.client import WorkflowUpdateFailedError
+    try:
+        return asyncio.run(go())
+    except UnknownRun as e:
+        print(f"error: {e} on {a.temporal} (namespace {a.namespace})", file=sys.stderr)
+        return 2
+    except WorkflowUpdateFailedError as e:
+        print(f"error: refused: {e.cause}", file=sys.stderr)
+        return 2
 
 
 def _archive(a) -> dict | None:

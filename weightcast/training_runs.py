@@ -8,6 +8,7 @@ import time
 from temporalio.client import Client, WorkflowHandle
 from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 from temporalio.converter import DataConverter
+from temporalio.service import RPCError, RPCStatusCode
 
 from training.config import ConfigError, TrainConfig
 from workflows.training import TrainingWorkflow
@@ -20,6 +21,25 @@ RUN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
 def training_id(run: str) -> str:
     return f"train-{run}"
+
+
+class UnknownRun(LookupError):
+    pass
+
+
+async def find_run(client: Client, name: str) -> str:
+    """The run that ``name`` names: a run name (``t1``) or its workflow id (``train-t1``, what `train
+    start` prints). A run whose own name starts with ``train-`` wins over the id reading."""
+    candidates = [name] + ([name.removeprefix("train-")] if name.startswith("train-") else [])
+    for run in candidates:
+        try:
+            await client.get_workflow_handle(training_id(run)).describe()
+            return run
+        except RPCError as e:
+            if e.status != RPCStatusCode.NOT_FOUND:
+                raise
+    raise UnknownRun(f"no training run {name!r} (looked for workflow ids "
+                     f"{', '.join(training_id(r) for r in candidates)})")
 
 
 def check_training(inp: TrainingInput) -> None:

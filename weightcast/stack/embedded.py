@@ -12,17 +12,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiohttp import web
-from temporalio.client import Client
-from temporalio.testing import WorkflowEnvironment
 
 from serving.router import Router, make_app as router_app
 from serving.server import ModelServer, make_app as server_app
 from weightcast.stack.module_proc import ModuleProc
 from weightcast.stack.peerd_proc import PeerdProc, fleet_args
 from weightcast.stack.ports import free_ports
+from weightcast.stack.processes import describe_exit
 from weightcast.stack.seaweed import SeaweedS3
 from weightcast.stack.supervisor import Supervisor
-from weightcast.stack.temporal import SEARCH_ATTRIBUTES, temporal_binary
+from weightcast.stack.temporal import TemporalDevServer
 from workers import control_worker
 from workflows.types import HostSpec
 
@@ -61,9 +60,9 @@ class EmbeddedStack:
         self.temporal_port = self.temporal_port or free_ports(1)[0]
         if self.ui:
             self.ui_port = self.ui_port or free_ports(1)[0]
-        self.env = None
-        await self.start_temporal()
-        self.client = await Client.connect(self.temporal_addr)
+        self.temporal = TemporalDevServer(self.temporal_port, self.root / "temporal.db", self.root / "temporal.log",
+                                          self.ui_port or None)
+        self.client = await self.start_temporal()
         ports = dict(zip(self.host_ids, free_ports(len(self.host_ids))))
         self.peerd = {i: PeerdProc(i, ports[i], self.root / i / "store",
                                    fleet_args(i, ports, token=self.token, trusted_key=self.trusted_key, rate=self.rate,
@@ -104,13 +103,15 @@ class EmbeddedStack:
     def _supervise(self) -> None:
         for i in self.host_ids:
             for name, proc in ((f"peerd {i}", self.peerd[i]), (f"host worker {i}", self.host_workers[i])):
-                self.supervisor.add(name, _running(proc), _restarted(proc))
-        self.supervisor.add("temporal", self._temporal_alive, self._restart_temporal)
+                self.supervisor.add(name, _running(proc), _restarted(proc), _ended(proc))
+        self.supervisor.add("the Temporal server", self._temporal_alive, self._restart_temporal, _ended(self.temporal))
         if self._own_s3:
-            self.supervisor.add("seaweedfs", _running(self.s3), _restarted(self.s3))
+            self.supervisor.add("seaweedfs", _running(self.s3), _restarted(self.s3), _ended(self.s3))
         self.supervisor.start()
 
     async def _temporal_alive(self) -> bool:
+        if not self.temporal.running:
+            return False
         try:
             _, w = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", self.temporal_port), 2)
             w.close()
@@ -119,11 +120,7 @@ class EmbeddedStack:
             return False
 
     async def _restart_temporal(self) -> None:
-        try:
-            await self.stop_temporal()
-        except Exception as e:              # the old server is gone already; its handle may not close cleanly
-            log.info("old Temporal server handle: %s", e)
-            self.env = None
+        await self.stop_temporal()              # a wedged server that still holds the port goes first
         await self.start_temporal()
 
     @property
@@ -131,17 +128,14 @@ class EmbeddedStack:
         return f"127.0.0.1:{self.temporal_port}"
 
     # ---------------------------------------------------------------- fault injection
-    async def start_temporal(self) -> None:
-        """(Re)start the dev server on the same port with the same database: rollouts carry on."""
-        self.env = await WorkflowEnvironment.start_local(
-            dev_server_existing_path=temporal_binary(), port=self.temporal_port,
-            dev_server_database_filename=str(self.root / "temporal.db"), search_attributes=SEARCH_ATTRIBUTES,
-            ui=self.ui, ui_port=self.ui_port or None)
+    async def start_temporal(self):
+        """(Re)start the dev server on the same port with the same database: rollouts carry on. Its
+        output goes to ``<root>/temporal.log``. Returns a client of it."""
+        self.temporal.launch()
+        return await self.temporal.wait_ready()
 
     async def stop_temporal(self) -> None:
-        if self.env is not None:
-            await self.env.shutdown()
-            self.env = None
+        await asyncio.to_thread(self.temporal.stop)
 
     async def restart_host_worker(self, host: str) -> None:
         await asyncio.to_thread(self.host_workers[host].start)
@@ -173,6 +167,12 @@ def _running(proc):
     async def alive() -> bool:
         return proc.proc is not None and proc.proc.poll() is None
     return alive
+
+
+def _ended(proc):
+    def ended() -> str:
+        return describe_exit(proc.proc.returncode) if proc.proc is not None else "never started"
+    return ended
 
 
 def _restarted(proc):

@@ -18,6 +18,7 @@ class Part:
     name: str
     alive: Callable[[], Awaitable[bool]]
     restart: Callable[[], Awaitable[None]]
+    how_it_ended: Callable[[], str] = lambda: "not answering"   # for the log: "exit code 1", "signal SIGKILL"
     backoff: float = 0.0
     next_try: float = 0.0
     up_since: float = field(default_factory=time.monotonic)
@@ -32,8 +33,9 @@ class Supervisor:
         self.parts: dict[str, Part] = {}
         self._task: asyncio.Task | None = None
 
-    def add(self, name: str, alive: Callable[[], Awaitable[bool]], restart: Callable[[], Awaitable[None]]) -> None:
-        self.parts[name] = Part(name, alive, restart)
+    def add(self, name: str, alive: Callable[[], Awaitable[bool]], restart: Callable[[], Awaitable[None]],
+            how_it_ended: Callable[[], str] | None = None) -> None:
+        self.parts[name] = Part(name, alive, restart, *([how_it_ended] if how_it_ended else []))
 
     def start(self) -> "Supervisor":
         self._task = asyncio.create_task(self._run(), name="supervisor")
@@ -64,14 +66,16 @@ class Supervisor:
             return
         p.backoff = min(self.backoff_max, max(self.backoff_min, p.backoff * 2))
         p.next_try = now + p.backoff
-        log.warning("supervised part died; restarting", extra={"part": p.name, "restarts": p.restarts,
-                                                                "next_backoff_s": p.backoff})
+        ended = p.how_it_ended()
+        log.warning(f"{p.name} died ({ended}); restarting it", extra={"part": p.name, "ended": ended,
+                                                                       "restarts": p.restarts,
+                                                                       "next_backoff_s": p.backoff})
         try:
             await p.restart()
         except Exception as e:              # keep supervising the others; retry this one after the back-off
             p.last_error = f"{type(e).__name__}: {e}"
-            log.error("restart failed", extra={"part": p.name, "error": p.last_error})
+            log.error(f"restart of {p.name} failed", extra={"part": p.name, "error": p.last_error})
             return
         p.restarts += 1
         p.up_since = time.monotonic()
-        log.info("supervised part restarted", extra={"part": p.name, "restarts": p.restarts})
+        log.info(f"{p.name} restarted", extra={"part": p.name, "restarts": p.restarts})
