@@ -3,6 +3,7 @@ a retry re-attaches to peerd's job, which resumes from its bitmap."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import time
@@ -52,7 +53,7 @@ class HostActivities:
         ref = dataclasses.asdict(inp.manifest) if inp.manifest is not None else None
         doc = json.loads(inp.signed_manifest) if ref is None else None
         t0 = time.monotonic()
-        async with PeerdClient(self.peerd_addr, self.token) as c:
+        async with PeerdClient(self.peerd_addr, self.token) as c, self._reaching_peerd():
             try:
                 st = await c.start_job(doc, inp.origin, inp.seeders, manifest_ref=ref)
             except PeerdError as e:
@@ -81,6 +82,16 @@ class HostActivities:
                 return DistributeResult(vid, st["bytes_total"], st["bytes_by_source"], time.monotonic() - t0,
                                         stopped=True, bytes_held=held)
         return DistributeResult(vid, st["bytes_total"], st["bytes_by_source"], time.monotonic() - t0)
+
+    @contextlib.asynccontextmanager
+    async def _reaching_peerd(self):
+        """Peerd down (killed, restarting) is a short retryable failure that names it, not an aiohttp
+        traceback: status shows this message as the reason the host is stuck."""
+        try:
+            yield
+        except (aiohttp.ClientConnectionError, ConnectionError) as e:
+            raise ApplicationError(f"{self.host_id}: peerd at {self.peerd_addr} unreachable ({e})",
+                                   type="PeerdUnreachable") from None
 
     async def _job(self, c: PeerdClient, vid: str) -> dict:
         try:

@@ -71,7 +71,8 @@ class ModelServer:
     def in_use(self) -> int:
         return sum(v.nbytes for v in self.versions.values() if v.state == "ready")
 
-    async def load(self, key: VersionKey, path: Path) -> VersionState:
+    async def load(self, key: VersionKey | tuple[str, str], path: Path) -> VersionState:
+        key = VersionKey(*key)
         async with self._lock:   # one load at a time per host
             cur = self.versions.get(key)
             if cur and cur.state == "ready":

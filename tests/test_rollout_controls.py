@@ -3,6 +3,9 @@ peerd: pause stops every download mid-distribution and resume continues from the
 the downloads, removes the aborted version from every store and closes the workflow; an abort during
 a traffic step's dwell does not wait for the dwell to end."""
 import asyncio
+import contextlib
+import io
+import json
 import os
 import time
 import uuid
@@ -136,12 +139,15 @@ async def test_abort_during_a_traffic_dwell_does_not_wait_for_it(tmp_path, seawe
 
 
 @pytest.mark.parametrize("victim", ["host worker", "peerd"])
-async def test_status_shows_live_bytes_in_seconds_and_a_silent_host_as_stuck_within_10_s(
+async def test_status_shows_live_bytes_in_seconds_and_a_downed_host_as_stuck_within_6_s(
         tmp_path, seaweed, keys, victim):
+    """A killed host worker or peerd shows in `rollout status` as stuck within 6 s, with the reason;
+    restarted, the host's download carries on at once: a restarted worker hands its dead predecessor's
+    attempt back instead of waiting out the (here 120 s) heartbeat timeout."""
     s = await Stack().start(tmp_path, seaweed, keys, ["a", "b"], rate=RATE)
     try:
         wid = f"rollout-tiny-v1-{uuid.uuid4().hex[:6]}"
-        handle = await start_rollout(s.client, s.input(), wid)
+        handle = await start_rollout(s.client, s.input(heartbeat_timeout_s=120), wid)
         await wait_progress(s, "a", at_least=1)
         t0 = time.monotonic()
 
@@ -158,15 +164,27 @@ async def test_status_shows_live_bytes_in_seconds_and_a_silent_host_as_stuck_wit
         async def a_stuck():
             st = await live_status(s.client, wid)
             return "a" in st["stuck"] and st
-        st = await until(a_stuck, 10.0, f"host a shown stuck after its {victim} was killed", every=0.25)
+        st = await until(a_stuck, 6.0, f"host a shown stuck after its {victim} was killed", every=0.25)
         stuck_s = time.monotonic() - t1
         assert "b" not in st["stuck"]
-        assert st["progress"]["a"]["heartbeat_age_s"] >= 6
-        print(f"{victim} killed: live bytes after {live_s:.2f} s, shown stuck after {stuck_s:.2f} s")
+        reason = st["stuck"]["a"]
+        if victim == "host worker":
+            assert "no heartbeat" in reason and "host worker" in reason, reason
+        else:
+            assert "retrying" in reason and "peerd at" in reason and "unreachable" in reason, reason
+        print(f"{victim} killed: live bytes after {live_s:.2f} s, shown stuck after {stuck_s:.2f} s: {reason}")
         if victim == "host worker":
             await s.stack.restart_host_worker("a")
         else:
             await s.stack.restart_peerd("a")
+        t2 = time.monotonic()
+
+        async def a_moving():
+            st = await live_status(s.client, wid)
+            p = st["progress"].get("a")
+            return (st["phase"] != "distribute" or (p and "a" not in st["stuck"] and p["attempt"] > 1)) and st
+        await until(a_moving, 30.0, "host a's download running again", every=0.25)
+        print(f"{victim} restarted: host a's download running again after {time.monotonic() - t2:.2f} s")
         result = await handle.result()
         assert result["ready"] == ["a", "b"]
     finally:
@@ -195,5 +213,170 @@ async def test_abort_during_a_slow_load_cancels_it_and_nothing_stays_loaded(tmp_
         await until(nothing_resident, 15, "the aborted version gone from every model server")
         for h in ("a", "b"):
             assert s.m.digest not in await stored(s, h)
+    finally:
+        await s.stop()
+
+
+async def activity_starts(handle, activity: str) -> int:
+    """How many times the workflow has scheduled ``activity`` (its history)."""
+    hist = await handle.fetch_history()
+    return sum(1 for e in hist.events if e.HasField("activity_task_scheduled_event_attributes")
+               and e.activity_task_scheduled_event_attributes.activity_type.name == activity)
+
+
+async def held(handle) -> bool:
+    """The workflow has acted on a pause: it holds, and no control is waiting to be acted on."""
+    st = await handle.query(RolloutWorkflow.status)
+    return st.paused and not st.control and st
+
+
+async def refused_traffic_step(s: Stack, **kw):
+    """v1 serving on a and b, then v2 rolled out after v1 was unloaded from b: the router refuses
+    {v2: 1, v1: 99} (v1 on one of two hosts cannot carry 99 %), so the first traffic step retries.
+    Returns the handle once status shows that step retrying."""
+    first = await start_rollout(s.client, s.input(traffic_steps=[100]))
+    assert (await first.result())["ready"] == ["a", "b"]
+    v2 = await s.publish("tiny", "v2", seed=9)
+    assert s.servers["b"].unload(("tiny", "v1"))
+    handle = await start_rollout(s.client, s.input(**v2, previous_version="v1", traffic_steps=[1, 100], **kw))
+
+    async def retrying():
+        st = await handle.query(RolloutWorkflow.status)
+        return [r for r in st.retrying if r["step"] == "traffic 1%"] and st
+    st = await until(retrying, 90, "the first traffic step retrying")
+    [r] = [r for r in st.retrying if r["step"] == "traffic 1%"]
+    assert r["activity"] == "set_traffic" and r["attempt"] >= 1 and r["next_retry_at"]
+    assert "router refused weights" in r["error"] and "v1" in r["error"]
+    return handle
+
+
+async def mend(s: Stack) -> None:
+    """v1 loaded on b again: the step that was refused can now succeed."""
+    vs = await s.servers["b"].load(("tiny", "v1"), s.stack.peerd["b"].store / "versions" / s.m.digest / "model")
+    assert vs.state == "ready"
+
+
+async def test_pause_then_abort_while_a_traffic_step_is_retrying_each_act_within_5_s(tmp_path, seaweed, keys):
+    s = await Stack().start(tmp_path, seaweed, keys, ["a", "b"])
+    try:
+        handle = await refused_traffic_step(s)
+        t0 = time.monotonic()
+        await handle.signal(RolloutWorkflow.pause)
+        st = await until(lambda: held(handle), ACT_WITHIN_S, "the pause acted on")
+        pause_s = time.monotonic() - t0
+        assert st.phase == "traffic" and "PAUSED" in st.detail
+        tries = await activity_starts(handle, "set_traffic")
+        await asyncio.sleep(3)                                   # longer than the next retry was due
+        assert await activity_starts(handle, "set_traffic") == tries   # no retry while paused
+
+        t1 = time.monotonic()
+        await handle.execute_update(RolloutWorkflow.abort, "on-call: v2 cannot take traffic")
+        st = await handle.query(RolloutWorkflow.status)
+        assert "abort requested" in st.control or st.phase in ("aborting", "failed")   # shown until acted on
+        with pytest.raises(WorkflowFailureError) as e:
+            await handle.result()
+        abort_s = time.monotonic() - t1
+        assert abort_s < ACT_WITHIN_S and "on-call: v2 cannot take traffic" in str(e.value.cause)
+        assert s.stack.router.table.models["tiny"].weights == {"v1": 100.0, "v2": 0.0}   # traffic back on v1
+        assert all(("tiny", "v2") not in srv.versions for srv in s.servers.values())
+        await replays(handle)
+        print(f"retrying traffic step: pause held after {pause_s:.2f} s, abort closed after {abort_s:.2f} s")
+    finally:
+        await s.stop()
+
+
+async def test_a_step_failing_past_its_bound_pauses_as_stuck_and_resumes_once_mended(tmp_path, seaweed, keys):
+    from weightcast.cli import main
+    s = await Stack().start(tmp_path, seaweed, keys, ["a", "b"])
+    try:
+        handle = await refused_traffic_step(s, stuck_after_s=3)
+        st = await until(lambda: held(handle), 30, "the stuck step pausing the rollout")
+        assert st.stuck_step.startswith("traffic 1% has failed for") and "router refused weights" in st.stuck_step
+        assert st.detail.startswith("STUCK, PAUSED")
+        # `rollout status --watch` (what `publish --wait` runs) says so and exits 4: an operator's turn
+        temporal = s.stack.temporal_addr
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            rc = await asyncio.to_thread(main, ["rollout", "status", handle.id, "--watch", "--temporal", temporal])
+        final = json.loads(out.getvalue().strip().splitlines()[-1])
+        assert rc == 4 and final["status"] == "STUCK" and "router refused weights" in final["stuck"]
+
+        await mend(s)
+        assert await asyncio.to_thread(main, ["rollout", "resume", handle.id, "--temporal", temporal]) == 0
+        result = await handle.result()
+        assert result["traffic"] == {"v2": 100} and (await handle.query(RolloutWorkflow.status)).stuck_step == ""
+        await replays(handle)
+    finally:
+        await s.stop()
+
+
+async def test_pause_and_resume_in_the_load_phase(tmp_path, seaweed, keys):
+    s = await Stack().start(tmp_path, seaweed, keys, ["a", "b"])
+    try:
+        for server in s.servers.values():
+            server.faults = {("tiny", "v1"): {"load_delay_s": 3.0}}   # each load takes a while
+        handle = await start_rollout(s.client, s.input(max_concurrent_loads=1),
+                                     f"rollout-tiny-v1-{uuid.uuid4().hex[:6]}")
+
+        async def loading():
+            st = await handle.query(RolloutWorkflow.status)
+            return "loading" in st.hosts.values() and st
+        await until(loading, 60, "a host loading")
+        await handle.signal(RolloutWorkflow.pause)
+        st = await until(lambda: held(handle), ACT_WITHIN_S, "the pause acted on in the load phase")
+        assert st.phase == "load"
+        loads = await activity_starts(handle, "load_version")
+        await asyncio.sleep(4)                                   # past the load in flight
+        st = await handle.query(RolloutWorkflow.status)
+        assert await activity_starts(handle, "load_version") == loads and "ready" not in st.hosts.values()
+        await handle.signal(RolloutWorkflow.resume)
+        result = await handle.result()
+        assert result["ready"] == ["a", "b"] and result["peak_loads"] == 1
+        await replays(handle)
+    finally:
+        await s.stop()
+
+
+async def test_set_concurrency_changes_how_many_hosts_load_at_once(tmp_path, seaweed, keys):
+    s = await Stack().start(tmp_path, seaweed, keys, ["a", "b"])
+    try:
+        for server in s.servers.values():
+            server.faults = {("tiny", "v1"): {"load_delay_s": 3.0}}
+        handle = await start_rollout(s.client, s.input(max_concurrent_loads=1),
+                                     f"rollout-tiny-v1-{uuid.uuid4().hex[:6]}")
+
+        async def loading():
+            st = await handle.query(RolloutWorkflow.status)
+            return "loading" in st.hosts.values() and st
+        await until(loading, 60, "a host loading")
+        assert (await handle.query(RolloutWorkflow.status)).peak_loads == 1
+        assert await handle.execute_update(RolloutWorkflow.set_max_concurrent_loads, 2) == 2
+        result = await handle.result()
+        assert result["ready"] == ["a", "b"] and result["peak_loads"] == 2     # b started beside a
+    finally:
+        await s.stop()
+
+
+async def test_pause_and_resume_during_a_traffic_dwell_through_the_cli(tmp_path, seaweed, keys):
+    from weightcast.cli import main
+    s = await Stack().start(tmp_path, seaweed, keys, ["a", "b"])
+    try:
+        inp = s.input(traffic_steps=[10, 100])
+        inp.step_wait_s = 3
+        handle = await start_rollout(s.client, inp, f"rollout-tiny-v1-{uuid.uuid4().hex[:6]}")
+
+        async def at_ten_percent():
+            st = await handle.query(RolloutWorkflow.status)
+            return st.traffic == {"v1": 10}
+        await until(at_ten_percent, 60, "the first traffic step")
+        temporal = s.stack.temporal_addr
+        assert await asyncio.to_thread(main, ["rollout", "pause", handle.id, "--temporal", temporal]) == 0
+        await until(lambda: held(handle), ACT_WITHIN_S, "the pause acted on during the dwell")
+        await asyncio.sleep(4)                                    # longer than the dwell: it does not run out
+        st = await handle.query(RolloutWorkflow.status)
+        assert st.phase == "traffic" and st.traffic == {"v1": 10}
+        assert await asyncio.to_thread(main, ["rollout", "resume", handle.id, "--temporal", temporal]) == 0
+        result = await handle.result()
+        assert result["traffic"] == {"v1": 100}
     finally:
         await s.stop()

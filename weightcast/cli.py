@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -273,7 +274,6 @@ def cmd_dev(a) -> int:
 async def _enter_pressed() -> None:
     """Wait for a line on stdin from a daemon thread: on Ctrl-C the loop shuts down without waiting
     for a read that may never return (asyncio's default executor would join it)."""
-    import threading
     loop = asyncio.get_running_loop()
     done = loop.create_future()
 
@@ -917,8 +917,10 @@ def _raise_interrupt(signum, _frame):
 
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
-    # SIGTERM unwinds like Ctrl-C: finally blocks stop the daemons and servers a command started
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    # SIGTERM unwinds like Ctrl-C: finally blocks stop the daemons and servers a command started (only a
+    # main thread may set handlers: called from another thread, the caller owns the signals)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         return a.fn(a)
     except (mf.ManifestError, KeyError_) as e:

@@ -34,6 +34,7 @@ with workflow.unsafe.imports_passed_through():
 PHASE = SearchAttributeKey.for_keyword("RolloutPhase")
 STEPS_PATCH = "controls-preempt-retries"
 BACKOFF_MAX_S = 30.0          # retries of a failing step: 1, 2, 4, ... seconds, at most this
+DISCARD_WAIT_S = 15.0         # an abort waits at most this long for a host's worker to take its discard
 DONE_STATES = ("verified", "loading", "ready")
 
 
@@ -273,13 +274,16 @@ class RolloutWorkflow(LegacyRolloutPaths):
             self._set_phase("aborting", f"{inp.version} still carries {self.traffic[inp.version]}% of traffic "
                                         "(no previous version to return to): left loaded and stored")
             return None
-        self._set_phase("aborting", f"removing {inp.version} from {len(inp.hosts)} hosts")
+        # a host no worker served (unreachable) is not waited for again: what it may hold is pruned by
+        # its next rollout, and it never loaded this version
+        hosts = [h for h in inp.hosts if self.hosts.get(h.id) != "unreachable"]
+        self._set_phase("aborting", f"removing {inp.version} from {len(hosts)} hosts")
         results = await asyncio.gather(*(workflow.execute_activity(
             "discard_version", DiscardInput(inp.version, self.version_id, inp.model), task_queue=h.queue,
-            schedule_to_start_timeout=timedelta(seconds=inp.unreachable_after_s),
+            schedule_to_start_timeout=timedelta(seconds=min(inp.unreachable_after_s, DISCARD_WAIT_S)),
             start_to_close_timeout=timedelta(seconds=120), retry_policy=RetryPolicy(maximum_attempts=3),
-            summary=f"discard {inp.version} on {h.id}") for h in inp.hosts), return_exceptions=True)
-        for h, r in zip(inp.hosts, results):
+            summary=f"discard {inp.version} on {h.id}") for h in hosts), return_exceptions=True)
+        for h, r in zip(hosts, results):
             if isinstance(r, BaseException):
                 self.errors[h.id] = f"could not remove the aborted version: {getattr(r, 'cause', None) or r}"
             elif self.hosts.get(h.id) not in ("failed", "unreachable"):
