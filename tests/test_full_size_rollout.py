@@ -3,14 +3,13 @@ small) published and rolled out by reference through the real workflow, dev serv
 model servers. No workflow payload carries the manifest: the largest payload in any history stays
 a few KB while the signed manifest is over a MB."""
 import json
-import os
-from pathlib import Path
 
 import pytest
 from temporalio.api.enums.v1 import EventType
 
 from peerd.origin import OriginSpec
 from serving.checkpoint import write_checkpoint
+from tests.golden import replays
 from tests.history_sizes import payload_sizes
 from tests.serving_fixtures import SMALL
 from weightcast.publish import PublishRequest, publish_and_start
@@ -19,7 +18,6 @@ from weightcast.stack.seaweed import ACCESS_KEY, SECRET_KEY
 
 pytestmark = pytest.mark.asyncio
 CHUNKS = 6_400
-HISTORIES = Path(__file__).parent / "histories"
 
 
 async def test_full_size_manifest_rolls_out_by_reference(tmp_path, seaweed, keys):
@@ -40,8 +38,9 @@ async def test_full_size_manifest_rolls_out_by_reference(tmp_path, seaweed, keys
         manifest = json.loads((stack.peerd["a"].store / "versions" / result["version_id"] / "manifest.json").read_bytes())
         assert len(manifest["manifest"]["chunks"]) >= CHUNKS and signed_size > 1_000_000
         histories = [await handle.fetch_history()]
-        if os.environ.get("WEIGHTCAST_RECORD_HISTORIES"):      # a golden history of the by-reference path
-            (HISTORIES / f"{handle.id}-by-ref.json").write_text(histories[0].to_json())
+        await replays(handle, "preempt-manifest-by-ref")
+        async for wf in stack.client.list_workflows("WorkflowType = 'PreflightWorkflow'"):   # publish's pre-checks
+            await replays(stack.client.get_workflow_handle(wf.id, run_id=wf.run_id), "preflight")
         for e in histories[0].events:
             if e.event_type == EventType.EVENT_TYPE_START_CHILD_WORKFLOW_EXECUTION_INITIATED:
                 wid = e.start_child_workflow_execution_initiated_event_attributes.workflow_id

@@ -1,22 +1,20 @@
 """RolloutWorkflow against the real Temporal dev server, real peerd processes, real S3, real
 model servers and router (loopback)."""
 import json
-import os
 import uuid
-from pathlib import Path
 
 import aiohttp
 import pytest
 from temporalio.client import WorkflowFailureError, WorkflowUpdateFailedError
 from temporalio.exceptions import WorkflowAlreadyStartedError
 
+from tests.golden import replays
 from tests.rollout_fixtures import Stack
 from weightcast.rollouts import start_rollout
 from workflows.rollout import RolloutWorkflow
 from workflows.types import CONTROL_QUEUE, HostSpec
 
 pytestmark = pytest.mark.asyncio
-HISTORIES = Path(__file__).parent / "histories"
 
 
 async def test_rollout_end_to_end(tmp_path, seaweed, keys):
@@ -37,10 +35,7 @@ async def test_rollout_end_to_end(tmp_path, seaweed, keys):
         # the same version is never rolled out twice by accident
         with pytest.raises(WorkflowAlreadyStartedError):
             await start_rollout(s.client, s.input(), wid)
-        if os.environ.get("WEIGHTCAST_RECORD_HISTORIES"):
-            HISTORIES.mkdir(exist_ok=True)
-            hist = await handle.fetch_history()
-            (HISTORIES / f"{wid}.json").write_text(hist.to_json())   # named by workflow id: replay needs it
+        await replays(handle, "preempt-end-to-end")
     finally:
         await s.stop()
 

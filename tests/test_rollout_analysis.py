@@ -14,6 +14,7 @@ from temporalio.client import WorkflowFailureError
 from peerd import manifest as mf
 from serving.checkpoint import write_checkpoint
 from tests.fleet import publish
+from tests.golden import replays
 from tests.rollout_fixtures import Stack
 from tests.serving_fixtures import SMALL
 from weightcast.rollouts import start_rollout
@@ -70,6 +71,7 @@ async def test_bad_and_slow_versions_roll_back_automatically_a_good_one_passes(t
             assert verdict["verdict"] == "fail" and verdict["new"]["requests"] >= 10 and verdict["baseline"]["requests"]
             assert weights() == {"v1": 100} or weights().get("v1") == 100
             assert all(("tiny", version) not in srv.versions for srv in s.servers.values())   # discarded everywhere
+            await replays(handle, f"canary-rollback-{words.split()[0]}")
 
         for server in s.servers.values():
             server.faults = {}
@@ -87,6 +89,7 @@ async def test_bad_and_slow_versions_roll_back_automatically_a_good_one_passes(t
         out = json.loads(stdout.decode().strip().splitlines()[-1])
         assert out["traffic"] == {"v1": 100} and out["from"] == "v4" and out["reason"] == "drill"
         assert weights().get("v1") == 100 and not weights().get("v4")
+        await replays(s.client.get_workflow_handle(out["workflow_id"]), "rollback")
         bad = await asyncio.create_subprocess_exec(                  # a name that is not one: refused, not queried
             sys.executable, "-m", "weightcast.cli", "rollout", "rollback", "tiny' OR 'x", "--temporal",
             s.stack.temporal_addr, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)

@@ -6,21 +6,18 @@ import asyncio
 import contextlib
 import io
 import json
-import os
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 from temporalio.client import WorkflowFailureError
-from temporalio.worker import Replayer
 
 from peerd.client import PeerdClient, PeerdError
+from tests.golden import replays
 from tests.rollout_fixtures import Stack
 from tests.test_rollout_faults import RATE, fetched, job, rollout_mid_distribution, wait_progress
 from weightcast.rollout_status import live_status
 from weightcast.rollouts import start_rollout
-from workers.control_worker import WORKFLOWS
 from workflows.rollout import RolloutWorkflow
 
 pytestmark = pytest.mark.asyncio
@@ -35,16 +32,6 @@ async def until(predicate, timeout: float, what: str, every: float = 0.05):
             return value
         await asyncio.sleep(every)
     raise TimeoutError(f"not within {timeout} s: {what}")
-
-
-async def replays(handle) -> None:
-    """The history just made (pause, cancelled children, resume; abort and discard) replays against
-    this code; WEIGHTCAST_RECORD_HISTORIES=1 keeps it as a golden history (named by workflow id)."""
-    hist = await handle.fetch_history()
-    result = await Replayer(workflows=WORKFLOWS).replay_workflow(hist, raise_on_replay_failure=False)
-    assert result.replay_failure is None, result.replay_failure
-    if os.environ.get("WEIGHTCAST_RECORD_HISTORIES"):
-        (Path(__file__).parent / "histories" / f"{handle.id}.json").write_text(hist.to_json())
 
 
 async def stored(s: Stack, host: str) -> list[str]:
@@ -82,7 +69,9 @@ async def test_pause_stops_every_download_within_seconds_and_resume_continues_fr
         for h in ("a", "b"):
             st = await job(s, h)
             assert st["state"] == "complete" and fetched(st) == s.m.total_size - kept[h]   # nothing twice
-        await replays(handle)
+        await replays(handle, "preempt-paused-mid-distribution")
+        await replays(s.client.get_workflow_handle(f"{handle.id}-batch-0"), "host-batch-stopped")
+        await replays(s.client.get_workflow_handle(f"{handle.id}-batch-0-r1"), "host-batch-resumed")
         print(f"pause: downloads stopped {stop_s:.2f} s after the signal")
     finally:
         await s.stop()
@@ -109,7 +98,7 @@ async def test_abort_mid_distribution_stops_downloads_and_removes_the_version_wi
                     await c.job(s.m.digest)
         st = await handle.query(RolloutWorkflow.status)
         assert st.phase == "failed" and set(st.hosts.values()) == {"discarded"}
-        await replays(handle)
+        await replays(handle, "preempt-aborted-mid-distribution")
         print(f"abort: workflow closed and version removed {closed_s:.2f} s after the update")
     finally:
         await s.stop()
@@ -279,7 +268,7 @@ async def test_pause_then_abort_while_a_traffic_step_is_retrying_each_act_within
         assert abort_s < ACT_WITHIN_S and "on-call: v2 cannot take traffic" in str(e.value.cause)
         assert s.stack.router.table.models["tiny"].weights == {"v1": 100.0, "v2": 0.0}   # traffic back on v1
         assert all(("tiny", "v2") not in srv.versions for srv in s.servers.values())
-        await replays(handle)
+        await replays(handle, "preempt-traffic-retrying-paused-then-aborted")
         print(f"retrying traffic step: pause held after {pause_s:.2f} s, abort closed after {abort_s:.2f} s")
     finally:
         await s.stop()
@@ -305,7 +294,7 @@ async def test_a_step_failing_past_its_bound_pauses_as_stuck_and_resumes_once_me
         assert await asyncio.to_thread(main, ["rollout", "resume", handle.id, "--temporal", temporal]) == 0
         result = await handle.result()
         assert result["traffic"] == {"v2": 100} and (await handle.query(RolloutWorkflow.status)).stuck_step == ""
-        await replays(handle)
+        await replays(handle, "preempt-stuck-then-resumed")
     finally:
         await s.stop()
 
@@ -332,7 +321,7 @@ async def test_pause_and_resume_in_the_load_phase(tmp_path, seaweed, keys):
         await handle.signal(RolloutWorkflow.resume)
         result = await handle.result()
         assert result["ready"] == ["a", "b"] and result["peak_loads"] == 1
-        await replays(handle)
+        await replays(handle, "preempt-load-phase-paused")
     finally:
         await s.stop()
 

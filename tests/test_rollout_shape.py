@@ -16,6 +16,7 @@ from temporalio.worker import Worker
 from weightcast.stack.temporal import SEARCH_ATTRIBUTES, temporal_binary
 from workers import control_worker
 from workflows.rollout import RolloutWorkflow
+from tests.golden import replays
 from tests.history_sizes import payload_sizes
 from weightcast.stack.seaweed import ACCESS_KEY, SECRET_KEY
 from workflows.types import (CONTROL_QUEUE, DistributeInput, DistributeResult, HostSpec, LoadInput, ManifestRef,
@@ -114,3 +115,28 @@ async def test_two_thousand_hosts_within_temporal_limits(tmp_path, seaweed, keys
         # the manifest (over a MB) travels by reference; the largest payload is the 2,000-host list itself
         # (input and continue-as-new carry, ~100 B a host), far below Temporal's 2 MB blob limit
         assert largest_payload < 512 * 1024 and heaviest < 8 * 1024 * 1024
+
+
+async def test_the_load_phase_continues_as_new_and_each_run_replays(tmp_path, seaweed, keys):
+    """A smaller fleet with the smallest history bound: the load phase continues-as-new, the second
+    run resumes from the carried state, and both runs replay (kept as golden histories)."""
+    origin, ref = await full_size_manifest(tmp_path, seaweed, keys)
+    fleet = LightFleet()
+    async with await WorkflowEnvironment.start_local(dev_server_existing_path=temporal_binary(),
+                                                     search_attributes=SEARCH_ATTRIBUTES) as env:
+        hosts = [HostSpec(f"gpu-{i:03d}", rack=f"r{i % 5}", task_queue=FLEET_QUEUE) for i in range(400)]
+        inp = RolloutInput(model="tiny", version="v1", signed_manifest="", origin=origin, manifest=ref,
+                           hosts=hosts, max_concurrent_loads=40, batch_size=200, max_history_events=1000)
+        wid = f"rollout-can-{uuid.uuid4().hex[:6]}"
+        async with control_worker.build(env.client, [keys["pub_path"]], (ACCESS_KEY, SECRET_KEY)), \
+                Worker(env.client, task_queue=FLEET_QUEUE, activities=[fleet.distribute, fleet.load_version],
+                       max_concurrent_activities=400):
+            handle = await env.client.start_workflow(RolloutWorkflow.run, inp, id=wid, task_queue=CONTROL_QUEUE)
+            result = await asyncio.wait_for(handle.result(), 300)
+            st = await handle.query(RolloutWorkflow.status)
+            assert len(result["ready"]) == 400 and st.runs > 1 and st.phase == "done"
+            runs = [wf async for wf in env.client.list_workflows(f"WorkflowId = '{wid}'")]
+            assert len(runs) == st.runs
+            for i, wf in enumerate(sorted(runs, key=lambda w: w.start_time), 1):
+                await replays(env.client.get_workflow_handle(wid, run_id=wf.run_id), f"continue-as-new-run-{i}",
+                              compress=True)

@@ -544,7 +544,10 @@ def cmd_rollout(a) -> int:
         from temporalio.worker import Replayer
 
         from workers.control_worker import WORKFLOWS
-        hist = WorkflowHistory.from_json(a.history.stem, a.history.read_text())
+        import gzip
+        raw = a.history.read_bytes()
+        hist = WorkflowHistory.from_json(a.history.name.split(".")[0],
+                                         (gzip.decompress(raw) if a.history.suffix == ".gz" else raw).decode())
         res = asyncio.run(Replayer(workflows=WORKFLOWS).replay_workflow(hist, raise_on_replay_failure=False))
         ok = res.replay_failure is None
         print(json.dumps({"history": str(a.history), "replayed": ok,
