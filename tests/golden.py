@@ -7,17 +7,11 @@ import gzip
 import os
 from pathlib import Path
 
-from temporalio.client import WorkflowHistory
 from temporalio.worker import Replayer
 
 from workers.control_worker import WORKFLOWS
 
 HISTORIES = Path(__file__).parent / "histories"
-
-
-def load(path: Path) -> WorkflowHistory:
-    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
-    return WorkflowHistory.from_json(path.name.split(".")[0], text)
 
 
 async def replays(handle, name: str = "", compress: bool = False) -> None:

@@ -9,7 +9,8 @@ recorded by running those steps against the dev server once)."""
 import pytest
 from temporalio.worker import Replayer
 
-from tests.golden import HISTORIES as GOLDEN, load
+from tests.golden import HISTORIES as GOLDEN
+from weightcast.history_file import read_history
 from workers.control_worker import WORKFLOWS
 
 HISTORIES = sorted([*GOLDEN.glob("*.json"), *GOLDEN.glob("*.json.gz")])
@@ -18,7 +19,7 @@ HISTORIES = sorted([*GOLDEN.glob("*.json"), *GOLDEN.glob("*.json.gz")])
 @pytest.mark.asyncio
 @pytest.mark.parametrize("path", HISTORIES, ids=[p.name.split(".")[0] for p in HISTORIES])
 async def test_golden_history_replays(path):
-    history = load(path)
+    history = read_history(path)
     result = await Replayer(workflows=WORKFLOWS).replay_workflow(history, raise_on_replay_failure=False)
     assert result.replay_failure is None, f"{path.name} no longer replays: {result.replay_failure}"
 

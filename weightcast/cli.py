@@ -540,14 +540,11 @@ def cmd_rollout(a) -> int:
     from workflows.rollout import RolloutWorkflow
 
     if a.sub == "replay":
-        from temporalio.client import WorkflowHistory
         from temporalio.worker import Replayer
 
+        from weightcast.history_file import read_history
         from workers.control_worker import WORKFLOWS
-        import gzip
-        raw = a.history.read_bytes()
-        hist = WorkflowHistory.from_json(a.history.name.split(".")[0],
-                                         (gzip.decompress(raw) if a.history.suffix == ".gz" else raw).decode())
+        hist = read_history(a.history)
         res = asyncio.run(Replayer(workflows=WORKFLOWS).replay_workflow(hist, raise_on_replay_failure=False))
         ok = res.replay_failure is None
         print(json.dumps({"history": str(a.history), "replayed": ok,
