@@ -3,13 +3,17 @@ operator and a CI job take. The stack runs as its own background process, as it 
 import asyncio
 import json
 import os
+import signal
+import threading
 import time
 
 import pytest
 
 from serving.checkpoint import write_checkpoint
 from tests.serving_fixtures import SMALL
+from tests.test_cli_bench import _pid_of
 from weightcast.cli import main
+from workflows.rollout import RolloutWorkflow
 
 
 @pytest.fixture
@@ -28,6 +32,37 @@ async def abort_record(temporal: str, wid: str) -> tuple[str, str]:
     [acc] = [e.workflow_execution_update_accepted_event_attributes for e in hist.events
              if e.HasField("workflow_execution_update_accepted_event_attributes")]
     return acc.accepted_request.meta.identity, acc.accepted_request.input.args.payloads[0].data.decode()
+
+
+async def phase_reached(temporal: str, wid: str, phase: str) -> None:
+    from temporalio.client import Client
+    from temporalio.service import RPCError
+    client = await Client.connect(temporal)
+    for _ in range(600):
+        try:
+            if (await client.get_workflow_handle(wid).query(RolloutWorkflow.status)).phase == phase:
+                return
+        except RPCError:
+            pass                                  # not started yet
+        await asyncio.sleep(0.1)
+    raise TimeoutError(f"{wid} never reached {phase}")
+
+
+async def abort_when_back(temporal: str, wid: str, reason: str) -> None:
+    """Abort once the server answers again (the dev stack's supervisor restarts it)."""
+    from temporalio.client import Client
+    for _ in range(300):
+        try:
+            client = await Client.connect(temporal)
+            await client.get_workflow_handle(wid).execute_update(RolloutWorkflow.abort, reason)
+            return
+        except RuntimeError:                      # connect: not listening yet
+            pass
+        except Exception as e:                    # the server is up but not serving yet
+            if "abort" in str(e).lower():
+                raise
+        await asyncio.sleep(0.2)
+    raise TimeoutError("the Temporal server did not come back")
 
 
 def run(capsys, *argv) -> tuple[int, dict | None, str]:
@@ -108,6 +143,26 @@ def test_dev_up_publish_status_down(tmp_path, capsys, dev_stack):
         time.sleep(0.1)
     rc, out, err = run(capsys, *v2)
     assert rc == 3 and out["previous_outcome"] == "FAILED" and "publish a new version" in err
+
+    # `publish --wait` rides out the Temporal server killed under it (the dev stack restarts it) and
+    # exits 1 when the rollout fails (here an operator aborts it while the ghost holds up distribution)
+    ckpt4 = write_checkpoint(tmp_path / "ckpt4", SMALL, seed=8, shard_bytes=64 * 1024, version="v4")
+    v4 = ["publish", str(ckpt4), "--model", "tiny", "--version", "v4", "--dev", str(d), "--chunk-size", "64KiB",
+          "--hosts", str(hosts), "--unreachable-after", "60", "--wait"]
+    waited = {}
+    waiter = threading.Thread(target=lambda: waited.update(rc=main(v4)))
+    waiter.start()
+    asyncio.run(phase_reached(state["temporal"], "rollout-tiny-v4", "distribute"))
+    temporal = _pid_of(f"start-dev --ip 127.0.0.1 --port {state['temporal'].rsplit(':', 1)[1]}")
+    assert temporal, "the dev stack's Temporal server"
+    os.kill(temporal, signal.SIGKILL)
+    asyncio.run(abort_when_back(state["temporal"], "rollout-tiny-v4", "on-call: drill"))
+    waiter.join(180)
+    assert not waiter.is_alive() and waited["rc"] == 1
+    restarted = _pid_of(f"start-dev --ip 127.0.0.1 --port {state['temporal'].rsplit(':', 1)[1]}")
+    assert restarted and restarted != temporal                        # it watched across the restart
+    out, err = capsys.readouterr()
+    assert json.loads(out.strip().splitlines()[-1])["status"] == "FAILED" and "on-call: drill" in err
 
     pid = state["pid"]
     rc, out, _ = run(capsys, "dev", "down", "--dir", str(d))

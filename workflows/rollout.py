@@ -94,6 +94,8 @@ class RolloutWorkflow(LegacyRolloutPaths):
 
     def _control(self) -> str:
         """A control asked for and not yet acted on, in words."""
+        if self.abort_reason and self.phase == "aborting":
+            return f"abort requested ({self.abort_reason}), being carried out: {self.detail}"
         if self.abort_reason and self.phase not in ("failed", "done"):
             return f"abort requested ({self.abort_reason}): stopping {self.phase}"
         if self.paused and not self.holding and self.phase not in ("failed", "done"):
