@@ -1,6 +1,8 @@
 """The host's load activity against a real model server and router (in-process HTTP on loopback):
 successive rollouts retire versions older than the two a rollout keeps, never one that still carries
 traffic on too few hosts."""
+import contextlib
+
 import pytest
 from temporalio.testing import ActivityEnvironment
 
@@ -14,15 +16,21 @@ from workflows.types import LoadInput
 pytestmark = pytest.mark.asyncio
 
 
-async def test_successive_rollouts_retire_old_versions(tmp_path, keys):
-    ms = ModelServer("h1", store_root=store_root(tmp_path), admin_token="adm")
-    runners = []
-    r, ms_addr = await serve_app(server_app(ms))
-    runners.append(r)
+@contextlib.asynccontextmanager
+async def host(tmp_path, max_versions: int = 2):
+    """A model server (host h1) and a router on loopback: (model server, its address, router, its address)."""
+    ms = ModelServer("h1", store_root=store_root(tmp_path), admin_token="adm", max_versions=max_versions)
     router = Router(poll_interval=0.1, admin_token="adm")
-    r, router_addr = await serve_app(router_app(router))
-    runners.append(r)
+    (r1, ms_addr), (r2, router_addr) = await serve_app(server_app(ms)), await serve_app(router_app(router))
     try:
+        yield ms, ms_addr, router, router_addr
+    finally:
+        for r in (r1, r2):
+            await r.cleanup()
+
+
+async def test_successive_rollouts_retire_old_versions(tmp_path, keys):
+    async with host(tmp_path) as (ms, ms_addr, router, router_addr):
         dirs = {v: verified_version(tmp_path, v, seed=i, key=keys["private"]) for i, v in enumerate(["v1", "v2", "v3"])}
 
         async def load(v: str, previous: str, with_router: bool = False) -> dict:
@@ -48,22 +56,12 @@ async def test_successive_rollouts_retire_old_versions(tmp_path, keys):
         ms.unload(("tiny", "v3"))
         out = await load("v1", "", with_router=True)   # keep=[v1] only: v2 would be retired, but serves traffic
         assert out["retired"] == [] and sorted(ms.versions) == [("tiny", "v1"), ("tiny", "v2")]
-    finally:
-        for r in runners:
-            await r.cleanup()
 
 
 async def test_a_rollout_retires_only_its_own_models_versions(tmp_path, keys):
     """Two models on one host, the same label in both: rolling model "tiny" forward never unloads model
     "other", even where "other" carries no traffic the router knows of under "tiny"."""
-    ms = ModelServer("h1", store_root=store_root(tmp_path), admin_token="adm", max_versions=4)
-    runners = []
-    r, ms_addr = await serve_app(server_app(ms))
-    runners.append(r)
-    router = Router(poll_interval=0.1, admin_token="adm")
-    r, router_addr = await serve_app(router_app(router))
-    runners.append(r)
-    try:
+    async with host(tmp_path, max_versions=4) as (ms, ms_addr, router, router_addr):
         dirs = {(m, v): verified_version(tmp_path, v, seed=i, key=keys["private"], model=m)
                 for i, (m, v) in enumerate([("other", "v1"), ("tiny", "v1"), ("tiny", "v2"), ("tiny", "v3")])}
 
@@ -86,6 +84,3 @@ async def test_a_rollout_retires_only_its_own_models_versions(tmp_path, keys):
         assert sorted(ms.versions) == [("other", "v1"), ("tiny", "v2"), ("tiny", "v3")]
         await router.poll_once()
         assert router.table.models["other"].ready_hosts("v1") == ["h1"]   # other still answers
-    finally:
-        for r in runners:
-            await r.cleanup()

@@ -34,6 +34,19 @@ async def until(predicate, timeout: float, what: str, every: float = 0.05):
     raise TimeoutError(f"not within {timeout} s: {what}")
 
 
+async def until_loading(handle):
+    async def loading():
+        st = await handle.query(RolloutWorkflow.status)
+        return "loading" in st.hosts.values() and st
+    return await until(loading, 60, "a host loading")
+
+
+async def until_traffic(handle, weights: dict):
+    async def there():
+        return (await handle.query(RolloutWorkflow.status)).traffic == weights
+    await until(there, 60, f"traffic at {weights}")
+
+
 async def stored(s: Stack, host: str) -> list[str]:
     async with PeerdClient(s.stack.peerd[host].addr, s.stack.token) as c:
         return (await c.status())["stored_versions"]
@@ -111,10 +124,7 @@ async def test_abort_during_a_traffic_dwell_does_not_wait_for_it(tmp_path, seawe
         inp.step_wait_s = 300                      # an hour-long bake would look the same
         handle = await start_rollout(s.client, inp, f"rollout-tiny-v1-{uuid.uuid4().hex[:6]}")
 
-        async def at_ten_percent():
-            st = await handle.query(RolloutWorkflow.status)
-            return st.traffic == {"v1": 10}
-        await until(at_ten_percent, 60, "the first traffic step")
+        await until_traffic(handle, {"v1": 10})
         t0 = time.monotonic()
         await handle.execute_update(RolloutWorkflow.abort, "on-call: latency regression")
         with pytest.raises(WorkflowFailureError):
@@ -187,10 +197,7 @@ async def test_abort_during_a_slow_load_cancels_it_and_nothing_stays_loaded(tmp_
             server.faults = {("tiny", "v1"): {"load_delay_s": 6.0}}    # a load that takes a while (a large checkpoint)
         handle = await start_rollout(s.client, s.input(), f"rollout-tiny-v1-{uuid.uuid4().hex[:6]}")
 
-        async def loading():
-            st = await handle.query(RolloutWorkflow.status)
-            return "loading" in st.hosts.values()
-        await until(loading, 60, "a host loading")
+        await until_loading(handle)
         t0 = time.monotonic()
         await handle.execute_update(RolloutWorkflow.abort, "on-call: stop the load")
         with pytest.raises(WorkflowFailureError):
@@ -307,10 +314,7 @@ async def test_pause_and_resume_in_the_load_phase(tmp_path, seaweed, keys):
         handle = await start_rollout(s.client, s.input(max_concurrent_loads=1),
                                      f"rollout-tiny-v1-{uuid.uuid4().hex[:6]}")
 
-        async def loading():
-            st = await handle.query(RolloutWorkflow.status)
-            return "loading" in st.hosts.values() and st
-        await until(loading, 60, "a host loading")
+        await until_loading(handle)
         await handle.signal(RolloutWorkflow.pause)
         st = await until(lambda: held(handle), ACT_WITHIN_S, "the pause acted on in the load phase")
         assert st.phase == "load"
@@ -334,10 +338,7 @@ async def test_set_concurrency_changes_how_many_hosts_load_at_once(tmp_path, sea
         handle = await start_rollout(s.client, s.input(max_concurrent_loads=1),
                                      f"rollout-tiny-v1-{uuid.uuid4().hex[:6]}")
 
-        async def loading():
-            st = await handle.query(RolloutWorkflow.status)
-            return "loading" in st.hosts.values() and st
-        await until(loading, 60, "a host loading")
+        await until_loading(handle)
         assert (await handle.query(RolloutWorkflow.status)).peak_loads == 1
         assert await handle.execute_update(RolloutWorkflow.set_max_concurrent_loads, 2) == 2
         result = await handle.result()
@@ -354,10 +355,7 @@ async def test_pause_and_resume_during_a_traffic_dwell_through_the_cli(tmp_path,
         inp.step_wait_s = 3
         handle = await start_rollout(s.client, inp, f"rollout-tiny-v1-{uuid.uuid4().hex[:6]}")
 
-        async def at_ten_percent():
-            st = await handle.query(RolloutWorkflow.status)
-            return st.traffic == {"v1": 10}
-        await until(at_ten_percent, 60, "the first traffic step")
+        await until_traffic(handle, {"v1": 10})
         temporal = s.stack.temporal_addr
         assert await asyncio.to_thread(main, ["rollout", "pause", handle.id, "--temporal", temporal]) == 0
         await until(lambda: held(handle), ACT_WITHIN_S, "the pause acted on during the dwell")

@@ -2,6 +2,7 @@
 standing in for peerd and the model servers (the workflow code, children, limits and continue-as-new are
 the real ones). Proves no history nears Temporal's limits and the load cap holds."""
 import asyncio
+import contextlib
 import json
 import uuid
 import zlib
@@ -75,22 +76,28 @@ async def full_size_manifest(tmp_path, seaweed, keys) -> tuple[dict, ManifestRef
     return origin, ManifestRef(m.digest, "signed.json")
 
 
-async def test_two_thousand_hosts_within_temporal_limits(tmp_path, seaweed, keys):
+@contextlib.asynccontextmanager
+async def light_rollout(tmp_path, seaweed, keys, hosts: int, racks: int, max_loads: int, max_history_events: int):
+    """A rollout of ``hosts`` light hosts on a fresh dev server, run to its end: yields (env, fleet,
+    workflow id, result, final status) while the server is still up."""
     origin, ref = await full_size_manifest(tmp_path, seaweed, keys)
     fleet = LightFleet()
     async with await WorkflowEnvironment.start_local(dev_server_existing_path=temporal_binary(),
                                                      search_attributes=SEARCH_ATTRIBUTES) as env:
-        hosts = [HostSpec(f"gpu-{i:04d}", rack=f"r{i % 25}", task_queue=FLEET_QUEUE) for i in range(HOSTS)]
-        inp = RolloutInput(model="tiny", version="v1", signed_manifest="", origin=origin, manifest=ref,
-                           hosts=hosts, max_concurrent_loads=MAX_LOADS, batch_size=200, max_history_events=4000)
+        specs = [HostSpec(f"gpu-{i:04d}", rack=f"r{i % racks}", task_queue=FLEET_QUEUE) for i in range(hosts)]
+        inp = RolloutInput(model="tiny", version="v1", signed_manifest="", origin=origin, manifest=ref, hosts=specs,
+                           max_concurrent_loads=max_loads, batch_size=200, max_history_events=max_history_events)
         wid = f"rollout-shape-{uuid.uuid4().hex[:6]}"
         async with control_worker.build(env.client, [keys["pub_path"]], (ACCESS_KEY, SECRET_KEY)), \
                 Worker(env.client, task_queue=FLEET_QUEUE, activities=[fleet.distribute, fleet.load_version],
                        max_concurrent_activities=400):
             handle = await env.client.start_workflow(RolloutWorkflow.run, inp, id=wid, task_queue=CONTROL_QUEUE)
             result = await asyncio.wait_for(handle.result(), 600)
-            st = await handle.query(RolloutWorkflow.status)
+            yield env, fleet, wid, result, await handle.query(RolloutWorkflow.status)
 
+
+async def test_two_thousand_hosts_within_temporal_limits(tmp_path, seaweed, keys):
+    async with light_rollout(tmp_path, seaweed, keys, HOSTS, 25, MAX_LOADS, 4000) as (env, fleet, wid, result, st):
         assert len(result["ready"]) == HOSTS and fleet.distributed == HOSTS and fleet.loaded == HOSTS
         assert fleet.retried > 0                              # transient failures were retried, not fatal
         assert 1 < fleet.peak_loading <= MAX_LOADS            # the load cap held at fleet size
@@ -120,23 +127,10 @@ async def test_two_thousand_hosts_within_temporal_limits(tmp_path, seaweed, keys
 async def test_the_load_phase_continues_as_new_and_each_run_replays(tmp_path, seaweed, keys):
     """A smaller fleet with the smallest history bound: the load phase continues-as-new, the second
     run resumes from the carried state, and both runs replay (kept as golden histories)."""
-    origin, ref = await full_size_manifest(tmp_path, seaweed, keys)
-    fleet = LightFleet()
-    async with await WorkflowEnvironment.start_local(dev_server_existing_path=temporal_binary(),
-                                                     search_attributes=SEARCH_ATTRIBUTES) as env:
-        hosts = [HostSpec(f"gpu-{i:03d}", rack=f"r{i % 5}", task_queue=FLEET_QUEUE) for i in range(400)]
-        inp = RolloutInput(model="tiny", version="v1", signed_manifest="", origin=origin, manifest=ref,
-                           hosts=hosts, max_concurrent_loads=40, batch_size=200, max_history_events=1000)
-        wid = f"rollout-can-{uuid.uuid4().hex[:6]}"
-        async with control_worker.build(env.client, [keys["pub_path"]], (ACCESS_KEY, SECRET_KEY)), \
-                Worker(env.client, task_queue=FLEET_QUEUE, activities=[fleet.distribute, fleet.load_version],
-                       max_concurrent_activities=400):
-            handle = await env.client.start_workflow(RolloutWorkflow.run, inp, id=wid, task_queue=CONTROL_QUEUE)
-            result = await asyncio.wait_for(handle.result(), 300)
-            st = await handle.query(RolloutWorkflow.status)
-            assert len(result["ready"]) == 400 and st.runs > 1 and st.phase == "done"
-            runs = [wf async for wf in env.client.list_workflows(f"WorkflowId = '{wid}'")]
-            assert len(runs) == st.runs
-            for i, wf in enumerate(sorted(runs, key=lambda w: w.start_time), 1):
-                await replays(env.client.get_workflow_handle(wid, run_id=wf.run_id), f"continue-as-new-run-{i}",
-                              compress=True)
+    async with light_rollout(tmp_path, seaweed, keys, 400, 5, 40, 1000) as (env, fleet, wid, result, st):
+        assert len(result["ready"]) == 400 and st.runs > 1 and st.phase == "done"
+        runs = [wf async for wf in env.client.list_workflows(f"WorkflowId = '{wid}'")]
+        assert len(runs) == st.runs
+        for i, wf in enumerate(sorted(runs, key=lambda w: w.start_time), 1):
+            await replays(env.client.get_workflow_handle(wid, run_id=wf.run_id), f"continue-as-new-run-{i}",
+                          compress=True)

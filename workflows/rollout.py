@@ -367,21 +367,29 @@ class RolloutWorkflow(LegacyRolloutPaths):
         except FailureError:
             pass        # it ended meanwhile: its outcomes are final, nothing to stop
 
-    async def _resume(self, inp: RolloutInput, c: RolloutCarry) -> dict:
-        """A continued-as-new run: restore the state and carry on loading."""
+    def _restore(self, c: RolloutCarry) -> None:
+        """The state a continued-as-new run carries over (both code paths)."""
         self.hosts, self.errors, self.max_loads, self.paused = dict(c.hosts), dict(c.errors), c.max_loads, c.paused
         self.bytes_total, self.version_id, self.runs = c.info.bytes_total, c.info.version_id, c.runs
         self.phase_seconds, self.phase, self.acked_failures = dict(c.phase_seconds), c.phase, c.acked_failures
         self._set_phase(c.phase, f"continued (run {self.runs}); at most {self.max_loads} hosts loading at a time")
+
+    async def _continue_as_new(self, inp: RolloutInput, info: ManifestInfo) -> None:
+        """Drain the handlers, then start the next run of this rollout with the state carried."""
+        await workflow.wait_condition(workflow.all_handlers_finished)
+        self.phase_seconds["load"] = round(self.phase_seconds.get("load", 0.0) + workflow.time() - self._phase_t0, 3)
+        carry = RolloutCarry("load", info, dict(self.hosts), dict(self.errors), self.max_loads, self.paused,
+                             dict(self.phase_seconds), self.runs + 1, self.acked_failures)
+        workflow.continue_as_new(dataclasses.replace(inp, carry=carry))
+
+    async def _resume(self, inp: RolloutInput, c: RolloutCarry) -> dict:
+        """A continued-as-new run: restore the state and carry on loading."""
+        self._restore(c)
         return await self._load_and_shift(inp, c.info)
 
     async def _load_and_shift(self, inp: RolloutInput, info: ManifestInfo) -> dict:
         if not await self._load_all(inp, info):
-            await workflow.wait_condition(workflow.all_handlers_finished)
-            self.phase_seconds["load"] = round(self.phase_seconds.get("load", 0.0) + workflow.time() - self._phase_t0, 3)
-            carry = RolloutCarry("load", info, dict(self.hosts), dict(self.errors), self.max_loads, self.paused,
-                                 dict(self.phase_seconds), self.runs + 1, self.acked_failures)
-            workflow.continue_as_new(dataclasses.replace(inp, carry=carry))
+            await self._continue_as_new(inp, info)
         await self._budget(inp)
         ready = [h for h, s in self.hosts.items() if s == "ready"]
 

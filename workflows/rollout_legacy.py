@@ -5,7 +5,6 @@ be running and the histories are re-recorded (retiring the patch: ``workflow.dep
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from datetime import timedelta
 
 from temporalio import workflow
@@ -158,19 +157,12 @@ class LegacyRolloutPaths:
 
     async def _v1_resume(self, inp: RolloutInput, c: RolloutCarry) -> dict:
         """A continued-as-new run: restore the state and carry on loading."""
-        self.hosts, self.errors, self.max_loads, self.paused = dict(c.hosts), dict(c.errors), c.max_loads, c.paused
-        self.bytes_total, self.version_id, self.runs = c.info.bytes_total, c.info.version_id, c.runs
-        self.phase_seconds, self.phase, self.acked_failures = dict(c.phase_seconds), c.phase, c.acked_failures
-        self._set_phase(c.phase, f"continued (run {self.runs}); at most {self.max_loads} hosts loading at a time")
+        self._restore(c)
         return await self._v1_load_and_shift(inp, c.info)
 
     async def _v1_load_and_shift(self, inp: RolloutInput, info: ManifestInfo) -> dict:
         if not await self._v1_load_all(inp, info):
-            await workflow.wait_condition(workflow.all_handlers_finished)
-            self.phase_seconds["load"] = round(self.phase_seconds.get("load", 0.0) + workflow.time() - self._phase_t0, 3)
-            carry = RolloutCarry("load", info, dict(self.hosts), dict(self.errors), self.max_loads, self.paused,
-                                 dict(self.phase_seconds), self.runs + 1, self.acked_failures)
-            workflow.continue_as_new(dataclasses.replace(inp, carry=carry))
+            await self._continue_as_new(inp, info)
         await self._budget(inp)
         ready = [h for h, s in self.hosts.items() if s == "ready"]
 
