@@ -172,5 +172,11 @@ async def test_the_same_label_in_two_models_is_two_versions(tmp_path, keys):
                                      json={"model": "tiny", "model_version": "v1", "version_id": other.parent.name})
             assert st == 409 and body["code"] == "wrong_version" and "other" in body["reason"]
             assert ("tiny", "v1") not in {k for k, v in ms.versions.items() if v.state == "ready"}
+            # no room left: the load says which versions of which models hold it, and nothing is unloaded
+            ms.max_versions = 1
+            st, body, _ = await call(s, "POST", addr + "/v1/load", headers=ADM,
+                                     json={"model": "tiny", "model_version": "v1", "version_id": tiny.parent.name})
+            assert st == 409 and body["code"] == "capacity" and "other/v1" in body["reason"]
+            assert ms.versions[("other", "v1")].state == "ready"
     finally:
         await runner.cleanup()

@@ -76,6 +76,9 @@ async def test_pause_stops_every_download_within_seconds_and_resume_continues_fr
             bitmap = (s.stack.peerd[h].store / "versions" / s.m.digest / "bitmap").read_bytes()
             kept[h] = sum(c.size for c in s.m.chunks if bitmap[c.index])
         assert 0 < kept["a"] < s.m.total_size
+        st = await until(lambda: held(handle), ACT_WITHIN_S, "the pause acted on")
+        live = await live_status(s.client, handle.id)                 # while paused: the bytes held
+        assert st.bytes_done == live["bytes_done"] == kept["a"] + kept["b"] and st.held == kept
         await handle.signal(RolloutWorkflow.resume)
         result = await handle.result()
         assert result["ready"] == ["a", "b"] and result["traffic"] == {"v1": 100}
@@ -111,6 +114,8 @@ async def test_abort_mid_distribution_stops_downloads_and_removes_the_version_wi
                     await c.job(s.m.digest)
         st = await handle.query(RolloutWorkflow.status)
         assert st.phase == "failed" and set(st.hosts.values()) == {"discarded"}
+        for h in ("a", "b"):                 # an abort is expected: no host worker logs a traceback for it
+            assert "Traceback" not in s.stack.host_workers[h].log_path.read_text()
         await replays(handle, "preempt-aborted-mid-distribution")
         print(f"abort: workflow closed and version removed {closed_s:.2f} s after the update")
     finally:
