@@ -168,7 +168,8 @@ class HostActivities:
             raise ApplicationError(f"{self.host_id}: load of {inp.version} failed: {body.get('code')}: "
                                    f"{body.get('reason') or body.get('error')}", type="LoadFailed",
                                    non_retryable=r.status in (400, 401, 403, 404) or body.get("code") in (
-                                       "altered", "unverified", "wrong_version", "smoke_failed", "bad_checkpoint"))
+                                       "altered", "unverified", "unverifiable", "wrong_version", "smoke_failed",
+                                       "bad_checkpoint"))
         return {**body, "retired": retired, "pruned": pruned}
 
     async def _post_load(self, s: aiohttp.ClientSession, inp: LoadInput):

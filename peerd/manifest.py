@@ -24,6 +24,7 @@ HASH_ALGORITHM = "sha256"       # the default for chunk and file digests; "blake
 DEFAULT_CHUNK_SIZE = 64 * 1024 * 1024
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024
 MAX_NAME_BYTES = 255            # one path component (NAME_MAX on Linux file systems)
+MAX_SERVING_BYTES = 1024 * 1024 # the optional 'serving' record (golden prompts): small by design
 _HEX64 = re.compile(r"^[0-9a-f]{64}\Z")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,127}\Z")
 
@@ -58,6 +59,9 @@ class Manifest:
     chunks: tuple[Chunk, ...]
     hash_algorithm: str = HASH_ALGORITHM
     schema: str = SCHEMA
+    # what serving needs to check the loaded model (golden prompts, serving/golden.py); signed with the
+    # rest, absent from the body when empty (so manifests without it keep their version ids)
+    serving: dict | None = None
     _by_file: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -72,6 +76,7 @@ class Manifest:
             "files": [{"path": f.path, "size": f.size, "digest": f.digest} for f in self.files],
             "chunks": [{"index": c.index, "file": c.file, "offset": c.offset, "size": c.size,
                         "digest": c.digest} for c in self.chunks],
+            **({"serving": self.serving} if self.serving else {}),
         }
 
     def canonical_bytes(self) -> bytes:
@@ -135,8 +140,8 @@ class ChunkHasher:
         return FileEntry(self.path, self.offset, self.file_hash.hexdigest()), self.chunks
 
 
-def build_from_directory(root: Path, model: str, version: str,
-                         chunk_size: int = DEFAULT_CHUNK_SIZE, algorithm: str = HASH_ALGORITHM) -> Manifest:
+def build_from_directory(root: Path, model: str, version: str, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                         algorithm: str = HASH_ALGORITHM, serving: dict | None = None) -> Manifest:
     root = Path(root)
     if not root.is_dir():
         raise ManifestError(f"{root} is not a directory")
@@ -144,14 +149,16 @@ def build_from_directory(root: Path, model: str, version: str,
     if not paths:
         raise ManifestError(f"{root} holds no files to publish")
     return build_from_pieces(model, version, chunk_size,
-                             ((p.relative_to(root).as_posix(), iter_file_pieces(p)) for p in paths), algorithm)
+                             ((p.relative_to(root).as_posix(), iter_file_pieces(p)) for p in paths), algorithm,
+                             serving)
 
 
-def assemble(model: str, version: str, chunk_size: int, files: list[FileEntry],
-             chunks: list[Chunk], created_at: str | None = None, algorithm: str = HASH_ALGORITHM) -> Manifest:
+def assemble(model: str, version: str, chunk_size: int, files: list[FileEntry], chunks: list[Chunk],
+             created_at: str | None = None, algorithm: str = HASH_ALGORITHM, serving: dict | None = None) -> Manifest:
     m = Manifest(model=model, version=version,
                  created_at=created_at or datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-                 chunk_size=chunk_size, files=tuple(files), chunks=tuple(chunks), hash_algorithm=algorithm)
+                 chunk_size=chunk_size, files=tuple(files), chunks=tuple(chunks), hash_algorithm=algorithm,
+                 serving=serving or None)
     validate(m)
     return m
 
@@ -209,8 +216,9 @@ def _parse(body) -> tuple[Manifest, bytes]:
     if not isinstance(body, dict):
         raise ManifestError("'manifest' must be an object")
     expected = {"schema", "model", "version", "created_at", "hash_algorithm", "chunk_size", "files", "chunks"}
-    if set(body) != expected:
-        raise ManifestError(f"manifest fields must be {sorted(expected)}; got {sorted(body)}")
+    if not expected <= set(body) <= expected | {"serving"}:
+        raise ManifestError(f"manifest fields must be {sorted(expected)} (and optionally 'serving'); "
+                            f"got {sorted(body)}")
     try:
         files = tuple(FileEntry(path=f["path"], size=f["size"], digest=f["digest"]) for f in body["files"])
         chunks = tuple(Chunk(index=c["index"], file=c["file"], offset=c["offset"], size=c["size"],
@@ -219,7 +227,7 @@ def _parse(body) -> tuple[Manifest, bytes]:
         raise ManifestError(f"malformed file or chunk entry: missing or wrong field {e}") from None
     m = Manifest(model=body["model"], version=body["version"], created_at=body["created_at"],
                  chunk_size=body["chunk_size"], files=files, chunks=chunks,
-                 hash_algorithm=body["hash_algorithm"], schema=body["schema"])
+                 hash_algorithm=body["hash_algorithm"], schema=body["schema"], serving=body.get("serving"))
     validate(m)
     canonical = canonical_json(body)
     m.__dict__["digest"] = hashlib.sha256(canonical).hexdigest()   # fills the cached_property
@@ -255,6 +263,9 @@ def validate(m: Manifest) -> None:
             raise ManifestError(f"{name} {v!r} must match {_NAME.pattern}")
     if not isinstance(m.created_at, str):
         raise ManifestError("created_at must be a string")
+    if m.serving is not None and (not isinstance(m.serving, dict) or not m.serving
+                                  or len(canonical_json(m.serving)) > MAX_SERVING_BYTES):
+        raise ManifestError(f"serving must be a non-empty object of at most {MAX_SERVING_BYTES} bytes")
     if not _is_int(m.chunk_size) or not (1 <= m.chunk_size <= 4 * 1024**3):
         raise ManifestError(f"chunk_size {m.chunk_size!r} must be an integer in [1, 4 GiB]")
     if not m.files:
@@ -307,8 +318,8 @@ def summarize(m: Manifest) -> dict:
             "created_at": m.created_at}
 
 
-def build_from_pieces(model: str, version: str, chunk_size: int,
-                      files: Iterable[tuple[str, Iterable[bytes]]], algorithm: str = HASH_ALGORITHM) -> Manifest:
+def build_from_pieces(model: str, version: str, chunk_size: int, files: Iterable[tuple[str, Iterable[bytes]]],
+                      algorithm: str = HASH_ALGORITHM, serving: dict | None = None) -> Manifest:
     """Build from (path, byte pieces) pairs in path order; used by the S3 builder."""
     if algorithm not in digests.ALGORITHMS:
         raise ManifestError(f"unknown hash algorithm {algorithm!r}; use one of {', '.join(digests.ALGORITHMS)}")
@@ -320,4 +331,4 @@ def build_from_pieces(model: str, version: str, chunk_size: int,
         fe, cs = h.finish()
         out_files.append(fe)
         out_chunks.extend(cs)
-    return assemble(model, version, chunk_size, out_files, out_chunks, algorithm=algorithm)
+    return assemble(model, version, chunk_size, out_files, out_chunks, algorithm=algorithm, serving=serving)

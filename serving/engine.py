@@ -27,6 +27,10 @@ class Engine(Protocol):
 
     def infer(self, key: VersionKey, input_ids: list[list[int]]) -> dict: ...
 
+    def vocab(self, key: VersionKey) -> int:
+        """Token ids a request may hold for ``key`` are in [0, vocab): checked before any reaches the
+        model (on CUDA an out-of-range id is a device-side assert that poisons the whole process)."""
+
     def device(self) -> str: ...
 
 
@@ -48,6 +52,12 @@ class ReferenceEngine:
         self.models.pop(key, None)
         if self._device.type == "cuda":
             torch.cuda.empty_cache()
+
+    def vocab(self, key: VersionKey) -> int:
+        loaded = self.models.get(key)
+        if loaded is None:
+            raise VersionGone(key)
+        return loaded.model.config.vocab
 
     @torch.no_grad()
     def infer(self, key: VersionKey, input_ids: list[list[int]]) -> dict:

@@ -26,7 +26,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from peerd.conn_guard import run_guarded
 from peerd.http_input import bearer_ok
 from peerd.metrics import metrics_handler
-from serving.engine import Engine, ReferenceEngine, VersionGone, VersionKey
+from serving.auto_engine import AutoEngine
+from serving.engine import Engine, VersionGone, VersionKey
 from serving.http_json import MAX_BODY, bad_request, json_object
 from serving.loader import LoadError
 
@@ -47,7 +48,7 @@ class VersionState:
 @dataclass
 class ModelServer:
     host_id: str
-    engine: Engine = field(default_factory=ReferenceEngine)
+    engine: Engine = field(default_factory=AutoEngine)
     max_versions: int = 2
     memory_budget: int | None = None
     store_root: Path | None = None     # peerd's store: the only place versions are loaded from
@@ -200,9 +201,9 @@ def make_app(ms: ModelServer) -> web.Application:
         v = key.version
         ids = b.get("input_ids")
         if (not isinstance(ids, list) or not ids or len(ids) > 64 or
-                not all(isinstance(r, list) and 0 < len(r) <= 64 and all(type(x) is int and 0 <= x < 512 for x in r)
+                not all(isinstance(r, list) and 0 < len(r) <= 64 and all(type(x) is int and 0 <= x < 2**31 for x in r)
                         for r in ids) or len({len(r) for r in ids}) != 1):
-            return web.json_response({"error": "input_ids must be 1-64 equal-length rows of 1-64 token ids in [0, 512)"},
+            return web.json_response({"error": "input_ids must be 1-64 equal-length rows of 1-64 token ids"},
                                      status=400)
         vs = ms.versions.get(key)
         if vs is None or vs.state != "ready":
@@ -218,6 +219,7 @@ def make_app(ms: ModelServer) -> web.Application:
                 ms.m_requests.labels(*key, "injected_error").inc()
                 return web.json_response({"error": "injected fault"}, status=500)
         try:
+            _within_vocab(ms, key, [t for row in ids for t in row])
             out = await asyncio.to_thread(ms.engine.infer, key, ids)
         except VersionGone:
             ms.m_requests.labels(*key, "not_ready").inc()
@@ -226,13 +228,49 @@ def make_app(ms: ModelServer) -> web.Application:
         return web.json_response({"model": key.model, "model_version": v, "host": ms.host_id, **out},
                                  headers={"X-Model": key.model, "X-Model-Version": v})
 
+    async def generate(request):
+        """New token ids after a prompt's token ids (the router's OpenAI API detokenizes them)."""
+        b = await body(request)
+        key = key_arg(b)
+        ids, n = b.get("input_ids"), b.get("max_tokens", 16)
+        temperature, top_p, seed = b.get("temperature", 0.0), b.get("top_p", 1.0), b.get("seed")
+        if (not isinstance(ids, list) or not 0 < len(ids) <= 8192 or not all(type(t) is int and t >= 0 for t in ids)
+                or type(n) is not int or not 1 <= n <= 1024
+                or not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not 0 <= temperature <= 10
+                or not isinstance(top_p, (int, float)) or isinstance(top_p, bool) or not 0 < top_p <= 1
+                or (seed is not None and type(seed) is not int)):
+            raise bad_request("give input_ids (1-8192 token ids), max_tokens in [1, 1024], temperature in [0, 10], "
+                              "top_p in (0, 1] and an integer seed (or none)")
+        vs = ms.versions.get(key)
+        if vs is None or vs.state != "ready":
+            return web.json_response({"error": f"{key.model} {key.version} is not ready on {ms.host_id}"},
+                                     status=409 if vs else 404)
+        try:
+            _within_vocab(ms, key, ids)
+            out = await asyncio.to_thread(ms.engine.generate, key, ids, n, float(temperature), float(top_p), seed)
+        except VersionGone:
+            return web.json_response({"error": f"{key.model} {key.version} was unloaded meanwhile"}, status=409)
+        except NotImplementedError as e:
+            raise bad_request(str(e)) from None
+        ms.m_requests.labels(*key, "ok").inc()
+        return web.json_response({"model": key.model, "model_version": key.version, "host": ms.host_id,
+                                  "output_ids": out}, headers={"X-Model": key.model, "X-Model-Version": key.version})
+
     app.router.add_get("/health/ready", ready)
+    app.router.add_post("/v1/generate", generate)
     app.router.add_post("/v1/load", load)
     app.router.add_post("/v1/unload", unload)
     app.router.add_get("/v1/versions", versions)
     app.router.add_post("/v1/infer", infer)
     app.router.add_get("/metrics", metrics_handler(ms.registry))
     return app
+
+
+def _within_vocab(ms: ModelServer, key: VersionKey, ids: list[int]) -> None:
+    vocab = ms.engine.vocab(key)
+    if max(ids) >= vocab:
+        ms.m_requests.labels(*key, "bad_request").inc()
+        raise bad_request(f"input_ids holds token id {max(ids)}; {key.model} {key.version} has {vocab} tokens")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,6 +9,7 @@ keeps each version under ``versions/<version id>/``; the manifest found there mu
 from __future__ import annotations
 
 import json
+import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -47,15 +48,19 @@ class VerifiedFiles:
             raise VerifyError("unverified", f"the manifest beside {model_dir} hashes to {self.manifest.digest[:12]}…, "
                                             f"not the version id {vid[:12]}… its directory names")
         self.files = {f.path: f for f in self.manifest.files}
-        self.threads = threads or min(8, os.cpu_count() or 2)
+        self.threads = threads or self.default_threads()
         self.bytes_hashed = 0
+
+    @staticmethod
+    def default_threads() -> int:
+        return min(8, os.cpu_count() or 2)
 
     def read(self, rel: str) -> bytearray:
         """The whole file, every chunk checked against the manifest. Raises VerifyError."""
         entry = self.files.get(rel)
         if entry is None:
             raise VerifyError("bad_checkpoint", f"{rel} is not listed in the signed manifest")
-        buf = bytearray(entry.size)
+        buf = _buffer(entry.size)
         view = memoryview(buf)
         chunks = self.manifest.chunks_of(rel)
         try:
@@ -81,6 +86,23 @@ class VerifiedFiles:
             raise VerifyError("altered", f"{rel} disappeared after verification") from None
         self.bytes_hashed += entry.size
         return buf
+
+
+HUGE = 2 << 20
+
+
+def _buffer(size: int):
+    """Private memory for a file's verified bytes. Large ones are anonymous mappings asking for
+    transparent huge pages: on a VM, faulting in fresh 4 KiB pages costs more than reading and hashing
+    the bytes into them (measured: 512 MiB written at 1.4 GB/s into a bytearray, 6 GB/s into huge
+    pages). Never a mapping of the file itself: the tensors must stay the bytes that were verified,
+    whatever later happens to the file."""
+    if size < HUGE:
+        return bytearray(size)
+    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    return buf
 
 
 def safetensors_views(buf: bytearray, name: str) -> dict[str, torch.Tensor]:

@@ -32,3 +32,16 @@ def seaweed(tmp_path_factory):
     s3 = SeaweedS3(tmp_path_factory.mktemp("s3")).start()
     yield s3
     s3.stop()
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoints(tmp_path_factory):
+    """One small trained Hugging Face checkpoint per architecture (bf16, sharded), built once, with its
+    golden prompts: {arch: (directory, golden record)}."""
+    from serving import golden, hf_build
+    root = tmp_path_factory.mktemp("hf")
+    out = {}
+    for i, arch in enumerate(hf_build.ARCHITECTURES):
+        d = hf_build.build(arch, root / arch, seed=i)
+        out[arch] = (d, golden.record(d))
+    return out

@@ -21,13 +21,21 @@ def verified_version(tmp: Path, version: str, seed: int, key, config: ModelConfi
     src = write_checkpoint(tmp / f"src-{model}-{version}", config, seed, shard_bytes=64 * 1024, version=version)
     if tamper:
         tamper(src)
-    m = mf.build_from_directory(src, model, version, chunk_size=32 * 1024, algorithm=algorithm)
+    out = store_version(tmp, src, model, version, key, algorithm=algorithm)
+    shutil.rmtree(src)
+    return out
+
+
+def store_version(tmp: Path, src: Path, model: str, version: str, key, serving: dict | None = None,
+                  algorithm: str = mf.HASH_ALGORITHM) -> Path:
+    """``src`` signed as (model, version) (``serving``: the manifest's serving record) and put through
+    peerd's store under ``tmp``, every chunk verified; the model directory there."""
+    m = mf.build_from_directory(src, model, version, chunk_size=32 * 1024, algorithm=algorithm, serving=serving)
     store = ChunkStore(store_root(tmp))
     vs = store.open_version(m, json.dumps(mf.sign_manifest(m, key)).encode())
     vs.import_files(src)
     vs.write_verified()
     vs.close()
-    shutil.rmtree(src)
     return vs.model_dir
 
 

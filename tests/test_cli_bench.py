@@ -12,6 +12,9 @@ def test_bench_load_reports_both_throughputs(capsys):
     r = json.loads(capsys.readouterr().out)
     assert r["size_bytes"] >= 4 << 20 and r["pagecache_read_gbps"] > 0 and r["load_gbps"] > 0
     assert abs(r["load_over_read"] - r["load_gbps"] / r["pagecache_read_gbps"]) < 0.01 * r["load_over_read"] + 2e-3
+    # the load's own ceiling, measured in the same run: no load verifies faster than it hashes
+    assert r["hash_bound_gbps"] == pytest.approx(r["hash_core_gbps"] * r["hash_threads"], rel=0.01)
+    assert r["load_over_hash_bound"] == pytest.approx(r["load_gbps"] / r["hash_bound_gbps"], rel=0.01, abs=2e-3)
 
 
 def test_sim_prints_the_brief_comparison(capsys):

@@ -120,3 +120,23 @@ def test_blake3_digests_are_a_manifest_choice(tmp_path, checkpoint, keys, capsys
     body["hash_algorithm"] = "md5"
     with pytest.raises(mf.ManifestError, match="unsupported hash algorithm 'md5'.*'blake3'"):
         mf.parse_body(body)
+
+
+def test_the_serving_record_is_signed_with_the_manifest_and_optional(checkpoint, keys):
+    """Golden prompts ride in the signed body: changing them changes the version id and breaks the
+    signature; a manifest without them has no such field (its id is what it always was)."""
+    plain = mf.build_from_directory(checkpoint, "tiny", "v1", chunk_size=256 * 1024)
+    assert "serving" not in plain.body()
+    record = {"golden": {"prompts": [{"input_ids": [1, 2], "output_ids": [3]}]}}
+    with_golden = mf.build_from_directory(checkpoint, "tiny", "v1", chunk_size=256 * 1024, serving=record)
+    assert with_golden.digest != plain.digest
+    doc = mf.sign_manifest(with_golden, keys["private"])
+    back = mf.verify_signed(json.loads(json.dumps(doc)), [keys["public"]])
+    assert back.serving == record and back.digest == with_golden.digest
+    doc["manifest"]["serving"]["golden"]["prompts"][0]["output_ids"] = [4]      # tampered golden prompts
+    with pytest.raises(mf.ManifestError, match="bad signature"):
+        mf.verify_signed(doc, [keys["public"]])
+    for bad in ([], "x", {}, {"golden": "y" * (mf.MAX_SERVING_BYTES + 1)}):
+        body = dict(plain.body(), serving=bad)
+        with pytest.raises(mf.ManifestError, match="serving"):
+            mf.parse_body(body)

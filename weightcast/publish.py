@@ -29,7 +29,9 @@ from temporalio.service import RPCError, RPCStatusCode
 from peerd import manifest as mf
 from peerd.origin import OriginError, OriginSpec, S3Origin
 from peerd.signing import load_private_key
+from serving import golden
 from serving.checkpoint import SMOKE
+from serving.hf_engine import is_hf_checkpoint
 from weightcast.rollouts import check_input, rollout_id, start_rollout
 from workflows.preflight import PreflightWorkflow
 from workflows.types import CONTROL_QUEUE, HostSpec, ManifestRef, PreflightInput, RolloutInput
@@ -72,8 +74,9 @@ async def upload(req: PublishRequest) -> Published:
     if not req.source.is_dir():
         raise PublishError(f"{req.source} is not a directory; give the checkpoint directory training wrote")
     key = load_private_key(req.key)
+    serving = {"golden": await asyncio.to_thread(golden_prompts, req.source)} if is_hf_checkpoint(req.source) else None
     m = await asyncio.to_thread(mf.build_from_directory, req.source, req.model, req.version, req.chunk_size,
-                                req.hash_algorithm)
+                                req.hash_algorithm, serving)
     signed = mf.signed_bytes(m, key)
     where = f"s3://{req.origin.bucket}/{req.origin.prefix}"
     try:
@@ -103,9 +106,23 @@ async def _upload_to_bucket(req: PublishRequest, m: mf.Manifest, signed: bytes, 
     return Published(m, signed.decode(), uploaded)
 
 
+def golden_prompts(source: Path) -> dict:
+    """A Hugging Face checkpoint's golden prompts (serving/golden.py), recorded here on the CPU."""
+    try:
+        return golden.record(source)
+    except golden.GoldenError as e:
+        raise PublishError(f"{e}; nothing published") from None
+    except (OSError, ValueError) as e:
+        raise PublishError(f"{source} is not a checkpoint transformers can load ({type(e).__name__}: {e}); "
+                           "nothing published") from None
+
+
 def check_label(req: PublishRequest) -> None:
     """The checkpoint says which version it is (its smoke material, checked again at load): publishing
-    it under another name would ship it everywhere and then fail every load as wrong_version."""
+    it under another name would ship it everywhere and then fail every load as wrong_version. A Hugging
+    Face directory carries no label: its golden prompts, recorded at upload, identify it."""
+    if is_hf_checkpoint(req.source):
+        return
     smoke = req.source / SMOKE
     if not smoke.is_file():
         raise PublishError(f"{req.source} has no {SMOKE}: the model server loads only checkpoints with their "
