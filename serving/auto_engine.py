@@ -42,13 +42,26 @@ class AutoEngine:
     def infer(self, key: VersionKey, input_ids: list[list[int]]) -> dict:
         return self._engine(key).infer(key, input_ids)
 
-    def generate(self, key: VersionKey, input_ids: list[int], max_tokens: int, temperature: float = 0.0,
-                 top_p: float = 1.0, seed: int | None = None) -> list[int]:
+    def _text(self, key: VersionKey) -> TransformersEngine:
         engine = self._engine(key)
-        if not hasattr(engine, "generate"):
+        if engine is not self.hf:
             raise NotImplementedError(f"{key.model} {key.version} runs on the reference engine, which does not "
                                       "generate text")
-        return engine.generate(key, input_ids, max_tokens, temperature, top_p, seed)
+        return engine
+
+    def generate(self, key: VersionKey, input_ids: list[int], max_tokens: int, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int | None = None) -> list[int]:
+        return self._text(key).generate(key, input_ids, max_tokens, temperature, top_p, seed)
+
+    def stream(self, key: VersionKey, input_ids: list[int], max_tokens: int, temperature: float = 0.0,
+               top_p: float = 1.0, seed: int | None = None):
+        return self._text(key).stream(key, input_ids, max_tokens, temperature, top_p, seed)
+
+    def tokenizer(self, key: VersionKey):
+        return self._text(key).tokenizer(key)
+
+    def context(self, key: VersionKey) -> int:
+        return self._text(key).context(key)
 
     @property
     def models(self) -> dict:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -127,19 +128,57 @@ class TransformersEngine:
         logits = self._model(key)(torch.tensor(input_ids, device=self._device)).logits[:, -1, :]
         return {"next_token": logits.argmax(-1).tolist(), "logits_head": logits[:, :16].float().cpu().tolist()}
 
-    @torch.no_grad()
+    def tokenizer(self, key: VersionKey):
+        loaded = self.models.get(key)
+        if loaded is None:
+            raise VersionGone(key)
+        return loaded.tokenizer
+
+    def context(self, key: VersionKey) -> int:
+        """The most tokens (prompt and answer) one sequence may hold."""
+        cfg = self._model(key).config
+        return int(getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 2048)
+
     def generate(self, key: VersionKey, input_ids: list[int], max_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int | None = None) -> list[int]:
-        """Up to ``max_tokens`` new token ids after ``input_ids``, stopping at the end-of-text token
-        (KV cache; greedy at temperature 0, else sampled with ``top_p``, reproducibly with ``seed``)."""
+        return list(self.stream(key, input_ids, max_tokens, temperature, top_p, seed))
+
+    def stream(self, key: VersionKey, input_ids: list[int], max_tokens: int, temperature: float = 0.0,
+               top_p: float = 1.0, seed: int | None = None) -> Iterator[int]:
+        """New token ids after ``input_ids``, one at a time, until end-of-text or ``max_tokens`` (KV
+        cache; greedy at temperature 0, else sampled with ``top_p``, reproducibly with ``seed``)."""
         model = self._model(key)
-        kw = {"do_sample": False}
-        if temperature > 0:
-            if seed is not None:
-                torch.manual_seed(seed)
-            kw = {"do_sample": True, "temperature": temperature, "top_p": top_p}
-        out = model.generate(torch.tensor([input_ids], device=self._device), max_new_tokens=max_tokens, **kw)
-        return out[0, len(input_ids):].tolist()
+        eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+        eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        return _sample(model, input_ids, max_tokens, temperature, top_p, seed, eos, self._device)
+
+
+@torch.no_grad()
+def _sample(model, input_ids: list[int], n: int, temperature: float, top_p: float, seed: int | None,
+            eos: set[int], device: torch.device) -> Iterator[int]:
+    gen = torch.Generator()
+    if seed is not None:
+        gen.manual_seed(seed)
+    else:
+        gen.seed()
+    x, past = torch.tensor([input_ids], device=device), None
+    for _ in range(n):
+        r = model(input_ids=x, past_key_values=past, use_cache=True)
+        past = r.past_key_values
+        logits = r.logits[0, -1].float()
+        if temperature <= 0:
+            tok = int(logits.argmax())
+        else:
+            probs = torch.softmax(logits / temperature, -1).cpu()
+            if top_p < 1:
+                p, idx = probs.sort(descending=True)
+                keep = (p.cumsum(0) - p) < top_p          # the smallest set whose mass reaches top_p
+                probs = torch.zeros_like(probs).scatter(0, idx[keep], p[keep])
+            tok = int(torch.multinomial(probs, 1, generator=gen))
+        if tok in eos:
+            return
+        yield tok
+        x = torch.tensor([[tok]], device=device)
 
 
 @torch.no_grad()

@@ -15,6 +15,7 @@ import os
 import re
 import sys
 import time
+from pathlib import Path
 
 import aiohttp
 from aiohttp import web
@@ -23,6 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from peerd.conn_guard import run_guarded
 from peerd.http_input import bearer_ok
 from peerd.metrics import metrics_handler
+from serving import openai_protocol as oa, router_openai
 from serving.capacity import CapacityRules
 from serving.http_json import MAX_BODY, bad_request, json_object
 from serving.routing import ModelRoute, RoutingError, RoutingTable
@@ -36,9 +38,10 @@ log = logging.getLogger("serving.router")
 
 class Router:
     def __init__(self, poll_interval: float = 0.2, retries: int = 3, rules: CapacityRules | None = None,
-                 seed: int | None = None, admin_token: str = ""):
+                 seed: int | None = None, admin_token: str = "", api_keys: frozenset[str] = frozenset()):
         self.table = RoutingTable(seed)
         self.admin_token = admin_token          # empty disables admin auth (in-process tests only)
+        self.api_keys = frozenset(api_keys)     # clients' keys for /v1/*; none: inference is open
         self.poll_interval = poll_interval
         self.retries = retries
         self.rules = rules or CapacityRules()
@@ -50,6 +53,8 @@ class Router:
         self.m_evictions = Counter("router_evictions_total", "Hosts dropped from a pool on a failed forward", registry=r)
         self.m_latency = Histogram("router_request_seconds", "Latency of each forwarded attempt, by version",
                                    ["model", "version", "ok"], registry=r)
+        self.m_ttft = Histogram("router_time_to_first_token_seconds", "Streamed answers: request to first byte",
+                                ["model", "version"], registry=r)
         self.stats = VersionStats()             # the same outcomes, windowed, for canary analysis
 
     async def start(self) -> None:
@@ -88,6 +93,17 @@ class Router:
         self.m_latency.labels(model, version, "true" if ok else "false").observe(seconds)
         self.stats.record(model, version, ok, seconds)
 
+    def answered(self, model: str, version: str, t0: float) -> None:
+        self.m_requests.labels(model, version, "ok").inc()
+        self._observe(model, version, True, t0)
+
+    def failed_attempt(self, model: str, host: str, version: str, t0: float) -> None:
+        """A host failed, timed out or answered for another version: out of the pool at once (the poller
+        may readmit it), and the attempt counts against the version it tried."""
+        self._observe(model, version, False, t0)
+        self.table.set_ready(model, host, version, False)
+        self.m_evictions.inc()
+
     async def forward(self, model: str, version: str | None, payload: dict) -> tuple[int, dict]:
         tried: set[str] = set()
         last = "no attempt"
@@ -106,8 +122,7 @@ class Router:
                     body = await r.json(content_type=None)
                     if (r.status == 200 and r.headers.get("X-Model-Version") == v and body.get("model_version") == v
                             and r.headers.get("X-Model") == model and body.get("model") == model):
-                        self.m_requests.labels(model, v, "ok").inc()
-                        self._observe(model, v, True, t0)
+                        self.answered(model, v, t0)
                         return 200, {**body, "routed_host": host}
                     if r.status in (400, 413, 422):   # the client's request was bad: the host is fine
                         self.m_requests.labels(model, v, "bad_request").inc()
@@ -115,22 +130,24 @@ class Router:
                     last = f"{host} answered {r.status}"
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
                 last = f"{host}: {type(e).__name__}"
-            self._observe(model, v, False, t0)     # a failed attempt counts against the version it tried
-            self.table.set_ready(model, host, v, False)   # out of the pool at once; the poller may readmit it
-            self.m_evictions.inc()
+            self.failed_attempt(model, host, v, t0)
         self.m_requests.labels(model, version or "", "failed").inc()
         return 503, {"error": f"no ready host answered ({last})"}
 
 
 def make_app(router: Router) -> web.Application:
     @web.middleware
-    async def admin_auth(request: web.Request, handler):
+    async def auth(request: web.Request, handler):
         if request.path.startswith("/admin/") and router.admin_token and not bearer_ok(request, router.admin_token):
             return web.json_response({"error": "the admin API needs the admin token (Authorization: Bearer <token>)"},
                                      status=401)
+        if (request.path.startswith("/v1/") and router.api_keys
+                and not any(bearer_ok(request, k) for k in router.api_keys)):
+            return web.json_response(oa.error("a valid API key is needed (Authorization: Bearer <key>)",
+                                              "invalid_request_error", "invalid_api_key"), status=401)
         return await handler(request)
 
-    app = web.Application(client_max_size=MAX_BODY, middlewares=[admin_auth])
+    app = web.Application(client_max_size=MAX_BODY, middlewares=[auth])
     t = router.table
 
     def model_host(request, host) -> str:
@@ -264,6 +281,7 @@ def make_app(router: Router) -> web.Application:
     app.router.add_delete("/admin/models/{model}/permits/load/{host}", release_load)
     app.router.add_post("/admin/models/{model}/permits/unload", unload_permit)
     app.router.add_get("/metrics", metrics_handler(router.registry))
+    router_openai.add_routes(app, router)
 
     async def on_startup(_):
         await router.start()
@@ -285,6 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--old-floor", type=int, default=1)
     ap.add_argument("--admin-token", default=os.environ.get("WEIGHTCAST_ADMIN_TOKEN", ""),
                     help="token for the admin API (default $WEIGHTCAST_ADMIN_TOKEN); required")
+    ap.add_argument("--api-keys-file", type=Path,
+                    help="clients' API keys, one per line, for /v1/* (Authorization: Bearer); without it inference "
+                         "is open. Separate from the admin token, which does not grant inference")
     return ap
 
 
@@ -296,7 +317,10 @@ def main(argv=None) -> int:
         print('{"level": "ERROR", "msg": "no admin token: set WEIGHTCAST_ADMIN_TOKEN (from a secret) or --admin-token"}',
               file=sys.stderr)
         return 2
-    run_guarded(make_app(Router(rules=CapacityRules(a.max_concurrent_loads, a.old_floor), admin_token=a.admin_token)),
+    keys = frozenset(ln.strip() for ln in a.api_keys_file.read_text().splitlines() if ln.strip()) \
+        if a.api_keys_file else frozenset()
+    run_guarded(make_app(Router(rules=CapacityRules(a.max_concurrent_loads, a.old_floor), admin_token=a.admin_token,
+                                api_keys=keys)),
                 a.listen, a.port, header_timeout=a.header_timeout)
     return 0
 

@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from peerd.conn_guard import run_guarded
 from peerd.http_input import bearer_ok
 from peerd.metrics import metrics_handler
+from serving import openai_host
 from serving.auto_engine import AutoEngine
 from serving.engine import Engine, VersionGone, VersionKey
 from serving.http_json import MAX_BODY, bad_request, json_object
@@ -258,6 +259,7 @@ def make_app(ms: ModelServer) -> web.Application:
 
     app.router.add_get("/health/ready", ready)
     app.router.add_post("/v1/generate", generate)
+    openai_host.add_routes(app, ms)
     app.router.add_post("/v1/load", load)
     app.router.add_post("/v1/unload", unload)
     app.router.add_get("/v1/versions", versions)

@@ -15,7 +15,7 @@ from peerd import manifest as mf
 from serving.router import Router, make_app as router_app
 from serving.server import ModelServer, make_app as server_app
 from tests.fleet import TOKEN, Fleet
-from tests.serving_fixtures import store_root, verified_version
+from tests.serving_fixtures import store_root, store_version, verified_version
 from weightcast.stack.embedded import serve_app
 
 ADMIN = "fuzz-admin"
@@ -77,7 +77,11 @@ SERVING_ROUTES = [("POST", "/v1/load"), ("POST", "/v1/unload"), ("POST", "/v1/in
                   ("POST", "/admin/models/{}/versions"), ("POST", "/admin/models/{}/permits/load"),
                   ("DELETE", "/admin/models/{}/permits/load/{}"), ("POST", "/admin/models/{}/permits/unload"),
                   ("GET", "/admin/models/{}"), ("DELETE", "/admin/models/{}/hosts/{}"),
-                  ("GET", "/admin/models/{}/stats?since_s={}")]
+                  ("GET", "/admin/models/{}/stats?since_s={}"),
+                  # text: the model server's generation and OpenAI endpoints, the router's OpenAI API
+                  ("POST", "/v1/generate"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+                  ("POST", "router:/v1/completions"), ("POST", "router:/v1/chat/completions"),
+                  ("GET", "router:/v1/models")]
 
 
 def request_strategy(routes):
@@ -108,24 +112,29 @@ def test_peerd_answers_every_client_input_with_less_than_500(tmp_path, seaweed, 
         fleet.stop()
 
 
-def test_model_server_and_router_answer_every_client_input_with_less_than_500(tmp_path, keys):
+def test_model_server_and_router_answer_every_client_input_with_less_than_500(tmp_path, keys, hf_checkpoints):
     v1 = verified_version(tmp_path, "v1", seed=1, key=keys["private"])
+    src, golden = hf_checkpoints["llama"]
+    llama = store_version(tmp_path, src, "llama", "v1", keys["private"], serving={"golden": golden})
     ms = ModelServer("h1", store_root=store_root(tmp_path), admin_token=ADMIN)
     router = Router(poll_interval=0.2, admin_token=ADMIN)
     apps = AppThread(server_app(ms), router_app(router))
     ms_addr, r_addr = apps.addrs
     try:
-        assert send(ms_addr, "POST", "/v1/load", json.dumps({"model": "tiny", "model_version": "v1", "version_id": v1.parent.name}).encode(),
-                    {"Authorization": f"Bearer {ADMIN}", "Content-Type": "application/json"}) == 200
+        for model, d in (("tiny", v1), ("llama", llama)):
+            assert send(ms_addr, "POST", "/v1/load",
+                        json.dumps({"model": model, "model_version": "v1", "version_id": d.parent.name}).encode(),
+                        {"Authorization": f"Bearer {ADMIN}", "Content-Type": "application/json"}) == 200
 
         @SETTINGS
         @given(request_strategy(SERVING_ROUTES))
         def probe(req):
             (method, path), segs, body, auth = req
-            target = r_addr if path.startswith(("/admin", "/v1/models")) else ms_addr
+            target = r_addr if path.startswith(("/admin", "/v1/models", "router:")) else ms_addr
+            path = path.removeprefix("router:")
             status = send(target, method, path.format(*segs), body, auth_header(auth, ADMIN))
             # 503 is an answer, not an error, where the protocol says "not ready" / "no ready host"
-            designed_503 = path.startswith(("/health/ready", "/v1/models/")) and status == 503
+            designed_503 = (path.startswith(("/health/ready", "/v1/models/")) or target == r_addr) and status == 503
             assert status < 500 or designed_503, (target, method, path.format(*segs), body[:80], status)
         probe()
         assert send(ms_addr, "GET", "/health/ready?model=tiny&model_version=v1", b"", {}) in (200, 503)

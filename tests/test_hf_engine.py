@@ -66,7 +66,7 @@ async def test_each_architecture_loads_from_verified_bytes_and_answers(tmp_path,
                     "max_tokens": len(p["output_ids"])})
                 assert st == 200 and hdr["X-Model"] == arch
                 eos = hf_build.tokenizer().eos_token_id
-                want = p["output_ids"][:p["output_ids"].index(eos) + 1] if eos in p["output_ids"] else p["output_ids"]
+                want = p["output_ids"][:p["output_ids"].index(eos)] if eos in p["output_ids"] else p["output_ids"]
                 assert body["output_ids"] == want                      # greedy, stopping at end-of-text
                 st, body, _ = await call(s, "POST", addr + "/v1/generate", json={
                     "model": arch, "model_version": "v1", "input_ids": [1, 2, 99999]})
