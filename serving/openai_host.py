@@ -12,8 +12,8 @@ from aiohttp import web
 
 from peerd.http_input import BadInput, read_json
 from serving import openai_protocol as oa
-from serving.http_json import MAX_BODY
 from serving.engine import VersionGone, VersionKey
+from serving.http_json import MAX_BODY
 
 
 class TextSession:
