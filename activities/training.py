@@ -23,7 +23,7 @@ from temporalio.exceptions import ApplicationError
 from training.archive_sync import Archiver
 from training.checkpoint_swarm import CheckpointSwarm
 from training.control import Control, write
-from weightcast.stack.processes import last_lines
+from lib.processes import last_lines
 from workflows.training_types import (ExportInput, RunControl, TrainRankInput, TrainRankResult, host_checkpoint_dir,
                                       node_local)
 

@@ -11,7 +11,9 @@ from serving.hf_engine import TransformersEngine, is_hf_checkpoint
 
 
 class AutoEngine:
-    def __init__(self, hf: TransformersEngine | None = None, reference: ReferenceEngine | None = None):
+    """``hf``: the engine for Hugging Face checkpoints (transformers in process, or vLLM servers)."""
+
+    def __init__(self, hf: Engine | None = None, reference: ReferenceEngine | None = None):
         self.hf = hf or TransformersEngine()
         self.reference = reference or ReferenceEngine()
         self.of: dict[VersionKey, Engine] = {}
@@ -42,6 +44,11 @@ class AutoEngine:
     def infer(self, key: VersionKey, input_ids: list[list[int]]) -> dict:
         return self._engine(key).infer(key, input_ids)
 
+    def openai_base(self, key: VersionKey) -> str | None:
+        """The version's own OpenAI server, when its engine runs one (vLLM); None: generate here."""
+        engine = self._engine(key)
+        return engine.openai_base(key) if hasattr(engine, "openai_base") else None
+
     def _text(self, key: VersionKey) -> TransformersEngine:
         engine = self._engine(key)
         if engine is not self.hf:
@@ -62,6 +69,10 @@ class AutoEngine:
 
     def context(self, key: VersionKey) -> int:
         return self._text(key).context(key)
+
+    def stop_all(self) -> None:
+        if hasattr(self.hf, "stop_all"):
+            self.hf.stop_all()
 
     @property
     def models(self) -> dict:

@@ -53,6 +53,30 @@ def _index(files: VerifiedFiles) -> tuple[int, dict]:
     raise LoadError("bad_checkpoint", f"no {INDEX} or {SINGLE} in the signed manifest: not a safetensors checkpoint")
 
 
+def checked_hf_files(key: VersionKey, model_dir: Path) -> tuple[VerifiedFiles, dict, int]:
+    """What every engine checks before it loads a Hugging Face version: verified by peerd as this
+    (model, version), golden prompts in its signed manifest, a tokenizer and safetensors weights.
+    Returns (the files, to read verified, the golden record, the weights' bytes). Raises LoadError."""
+    check_fingerprint(model_dir, key.version, key.model)
+    try:
+        files = VerifiedFiles(model_dir)
+    except VerifyError as e:
+        raise LoadError(e.code, str(e)) from None
+    if (files.manifest.model, files.manifest.version) != (key.model, key.version):
+        raise LoadError("wrong_version", f"{model_dir} holds {files.manifest.model} {files.manifest.version} "
+                                         f"of its signed manifest, not {key.model} {key.version}")
+    golden = (files.manifest.serving or {}).get("golden")
+    if golden is None:
+        raise LoadError("unverifiable", f"the manifest of {key.model} {key.version} carries no golden prompts: "
+                                        "nothing could show the loaded model is the published one; publish "
+                                        "it with `weightcast publish`, which records them")
+    for need in (CONFIG, "tokenizer.json"):
+        if need not in files.files:
+            raise LoadError("bad_checkpoint", f"no {need} in the signed manifest: publish the directory "
+                                              "save_pretrained wrote, tokenizer included")
+    return files, golden, _index(files)[0]
+
+
 class TransformersEngine:
     def __init__(self, device: torch.device | None = None):
         self._device = device or pick_device()
@@ -64,17 +88,8 @@ class TransformersEngine:
     def load(self, key: VersionKey, model_dir: Path, memory_budget: int | None, in_use: int) -> int:
         from transformers import AutoConfig
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-        check_fingerprint(model_dir, key.version, key.model)
         try:
-            files = VerifiedFiles(model_dir)
-            if (files.manifest.model, files.manifest.version) != (key.model, key.version):
-                raise LoadError("wrong_version", f"{model_dir} holds {files.manifest.model} {files.manifest.version} "
-                                                 f"of its signed manifest, not {key.model} {key.version}")
-            golden = (files.manifest.serving or {}).get("golden")
-            if golden is None:
-                raise LoadError("unverifiable", f"the manifest of {key.model} {key.version} carries no golden prompts: "
-                                                "nothing could show the loaded model is the published one; publish "
-                                                "it with `weightcast publish`, which records them")
+            files, golden, _ = checked_hf_files(key, model_dir)
             cfg_doc = json.loads(bytes(files.read(CONFIG)))
             tokenizer = _tokenizer(files)
             nbytes, index = _index(files)

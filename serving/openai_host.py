@@ -8,12 +8,15 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 
+import aiohttp
 from aiohttp import web
 
 from peerd.http_input import BadInput, read_json
 from serving import openai_protocol as oa
 from serving.engine import VersionGone, VersionKey
 from serving.http_json import MAX_BODY
+
+UPSTREAM = web.AppKey("openai_upstream", aiohttp.ClientSession)   # to an engine's own OpenAI server
 
 
 class TextSession:
@@ -67,6 +70,14 @@ def add_routes(app: web.Application, ms) -> None:
             return web.json_response(oa.error(f"{key.model} {key.version} is not ready on {ms.host_id}",
                                               "not_ready"), status=409 if vs else 404)
         engine = ms.engine
+        headers = {"X-Model": key.model, "X-Model-Version": key.version}
+        try:
+            upstream = engine.openai_base(key)
+        except VersionGone:
+            return web.json_response(oa.error(f"{key.model} {key.version} was unloaded meanwhile", "not_ready"),
+                                     status=409)
+        if upstream:                              # the version runs in its own server (vLLM): ask it
+            return await _proxy(request, app[UPSTREAM], upstream, req, kind, headers, ms, key)
         try:
             tokenizer = engine.tokenizer(key)
             ids = prompt_ids(tokenizer, req)
@@ -83,7 +94,6 @@ def add_routes(app: web.Application, ms) -> None:
         except oa.BadRequest as e:
             return web.json_response(oa.error(str(e)), status=400)
         tokens = engine.stream(key, ids, req.max_tokens, req.temperature, req.top_p, req.seed)
-        headers = {"X-Model": key.model, "X-Model-Version": key.version}
         rid = oa.new_id(kind)
         if req.stream:
             return await _stream(request, req, rid, tokenizer, tokens, len(ids), headers, ms, key)
@@ -109,8 +119,43 @@ def add_routes(app: web.Application, ms) -> None:
     async def chat(request):
         return await handle(request, "chat")
 
+    async def session(app):
+        app[UPSTREAM] = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=2,
+                                                                                  sock_read=300))
+        yield
+        await app[UPSTREAM].close()
+
+    app.cleanup_ctx.append(session)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat)
+
+
+async def _proxy(request, http, base: str, req: oa.Request, kind: str, headers: dict, ms,
+                 key: VersionKey) -> web.StreamResponse:
+    """The request to the version's own OpenAI server, its answer back as it comes (a stream byte for byte)."""
+    body = {k: v for k, v in req.for_host(key.version).items() if k not in ("model_version", "stream_options")}
+    if req.stream:
+        body["stream_options"] = {"include_usage": req.include_usage}
+    path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+    try:
+        async with http.post(base + path, json=body) as up:
+            if up.status != 200 or not req.stream:
+                answer = await up.json(content_type=None)
+                if up.status == 200:
+                    ms.m_requests.labels(*key, "ok").inc()
+                return web.json_response(answer, status=up.status if up.status < 500 else 502,
+                                         headers=headers if up.status == 200 else None)
+            out = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream",
+                                              "Cache-Control": "no-cache"})
+            await out.prepare(request)
+            async for data in up.content.iter_any():
+                await out.write(data)
+            await out.write_eof()
+            ms.m_requests.labels(*key, "ok").inc()
+            return out
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        return web.json_response(oa.error(f"the engine serving {key.model} {key.version} did not answer: "
+                                          f"{type(e).__name__}", "engine_unavailable"), status=502)
 
 
 async def _stream(request, req: oa.Request, rid: str, tokenizer, tokens: Iterator[int], prompt_tokens: int,

@@ -108,7 +108,8 @@ class ModelServer:
                 log.warning("load failed", extra={**what, "code": e.code, "error": str(e)})
             return vs
 
-    def unload(self, key: VersionKey) -> bool:
+    def unload(self, key: VersionKey | tuple[str, str]) -> bool:
+        key = VersionKey(*key)
         vs = self.versions.pop(key, None)
         if vs is None:
             return False
@@ -257,9 +258,14 @@ def make_app(ms: ModelServer) -> web.Application:
         return web.json_response({"model": key.model, "model_version": key.version, "host": ms.host_id,
                                   "output_ids": out}, headers={"X-Model": key.model, "X-Model-Version": key.version})
 
+    async def stop_engines(_):
+        await asyncio.to_thread(ms.engine.stop_all)       # engine processes (vLLM servers) go with the server
+
     app.router.add_get("/health/ready", ready)
     app.router.add_post("/v1/generate", generate)
     openai_host.add_routes(app, ms)
+    if hasattr(ms.engine, "stop_all"):
+        app.on_cleanup.append(stop_engines)
     app.router.add_post("/v1/load", load)
     app.router.add_post("/v1/unload", unload)
     app.router.add_get("/v1/versions", versions)
@@ -286,7 +292,19 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--store", type=Path, required=True, help="peerd's store root: versions load only from under it")
     ap.add_argument("--admin-token", default=os.environ.get("WEIGHTCAST_ADMIN_TOKEN", ""),
                     help="token for load/unload (default $WEIGHTCAST_ADMIN_TOKEN); required")
+    ap.add_argument("--engine", choices=("transformers", "vllm"), default="transformers",
+                    help="what runs Hugging Face checkpoints: transformers in this process, or a vLLM server per "
+                         "version (from `make vllm-venv`, or --vllm-python)")
+    ap.add_argument("--vllm-python", help="the vLLM virtualenv's python (default $WEIGHTCAST_VLLM_PYTHON or "
+                                          ".venv-vllm/bin/python)")
     return ap
+
+
+def engine_for(a) -> Engine:
+    if a.engine == "vllm":
+        from serving.vllm_engine import VllmEngine
+        return AutoEngine(hf=VllmEngine(a.store.parent / "vllm", python=a.vllm_python))
+    return AutoEngine()
 
 
 def main(argv=None) -> int:
@@ -297,8 +315,8 @@ def main(argv=None) -> int:
         print(json.dumps({"level": "ERROR", "msg": "no admin token: set WEIGHTCAST_ADMIN_TOKEN (from a secret) "
                                                    "or --admin-token; load/unload must be authenticated"}), file=sys.stderr)
         return 2
-    ms = ModelServer(a.id, max_versions=a.max_versions, memory_budget=a.memory_budget, store_root=a.store,
-                     admin_token=a.admin_token)
+    ms = ModelServer(a.id, engine=engine_for(a), max_versions=a.max_versions, memory_budget=a.memory_budget,
+                     store_root=a.store, admin_token=a.admin_token)
     run_guarded(make_app(ms), a.listen, a.port, header_timeout=a.header_timeout)
     return 0
 

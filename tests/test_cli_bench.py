@@ -205,3 +205,10 @@ def test_bench_gossip_times_both_push_transports_against_a_real_peerd(capsys, tm
     for way in ("http", "have"):
         assert len(r[way]["total_ms_all"]) == 2 and r[way]["client_ms"] > 0 and r[way]["total_ms"] > 0
     assert r["have_over_http"] > 0
+
+
+def test_bench_engine_reports_a_verified_reload_against_a_cold_start(capsys):
+    assert main(["bench", "engine", "--engine", "transformers", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["golden_ok"] and r["cold_start_s"] > 0 and r["reload_s"] > 0
+    assert r["reload_over_cold"] == pytest.approx(r["reload_s"] / r["cold_start_s"], rel=0.01, abs=1e-3)

@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 
 from weightcast.stack.ports import free_ports
-from weightcast.stack.processes import child_options, stop_process
+from lib.processes import child_options, stop_process
 
 
 def start(module: str, port: int, *args: str, token: str | None) -> subprocess.Popen:

@@ -211,6 +211,12 @@ def cmd_bench_load(a) -> int:
     return 0
 
 
+def cmd_bench_engine(a) -> int:
+    from bench.engine import run_engine_bench
+    print(json.dumps(run_engine_bench(a.engine), indent=None if a.json else 1))
+    return 0
+
+
 def cmd_bench_rollout(a) -> int:
     from bench.rollout import run_rollout_bench
     bar = Progress("rollout")
@@ -762,6 +768,12 @@ def build_parser() -> argparse.ArgumentParser:
     bl.add_argument("--hash", choices=ALGORITHMS, default=mf.HASH_ALGORITHM, help=HASH_HELP)
     bl.add_argument("--json", action="store_true")
     bl.set_defaults(fn=cmd_bench_load)
+
+    be = bench.add_parser("engine", help="a new version ready in a running engine (verified, golden prompts "
+                                         "passed) vs a cold start of that engine, same run")
+    be.add_argument("--engine", choices=("vllm", "transformers"), default="vllm")
+    be.add_argument("--json", action="store_true")
+    be.set_defaults(fn=cmd_bench_engine)
 
     br = bench.add_parser("rollout", help="a whole rollout on the embedded stack vs the byte-moving lower bound")
     br.add_argument("--hosts", type=int, default=4)

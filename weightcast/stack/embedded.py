@@ -18,7 +18,7 @@ from serving.server import ModelServer, make_app as server_app
 from weightcast.stack.module_proc import ModuleProc
 from weightcast.stack.peerd_proc import PeerdProc, fleet_args
 from weightcast.stack.ports import free_ports
-from weightcast.stack.processes import describe_exit
+from lib.processes import describe_exit
 from weightcast.stack.seaweed import SeaweedS3
 from weightcast.stack.supervisor import Supervisor
 from weightcast.stack.temporal import TemporalDevServer

@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from weightcast.stack.processes import child_options, describe_exit, last_lines, stop_process
+from lib.processes import child_options, describe_exit, last_lines, stop_process
 
 
 @dataclass

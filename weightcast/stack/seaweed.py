@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from weightcast.stack.ports import free_ports
-from weightcast.stack.processes import child_options, stop_process, venv_binary
+from lib.processes import child_options, stop_process
+from weightcast.stack.processes import venv_binary
 
 ACCESS_KEY = "weightcast"
 SECRET_KEY = "weightcast-dev-secret"

@@ -9,7 +9,8 @@ from pathlib import Path
 from temporalio.client import Client
 from temporalio.common import SearchAttributeKey
 
-from weightcast.stack.processes import child_options, describe_exit, last_lines, stop_process, venv_binary
+from lib.processes import child_options, describe_exit, last_lines, stop_process
+from weightcast.stack.processes import venv_binary
 
 SEARCH_ATTRIBUTES = [SearchAttributeKey.for_keyword("RolloutPhase")]
 

@@ -1,0 +1,85 @@
+"""`weightcast bench engine`: how long a host takes to make a new version ready in its engine, against
+starting the engine cold, measured side by side in one run on two trainings of the same small Llama
+(built here, bf16, sharded, with golden prompts).
+
+- ``cold_start_s``: a plain engine started on the first version's directory until it answers one
+  completion (vLLM: a fresh server process; transformers: a load in this process).
+- ``reload_s``: from a verified version on the host's disk to that version ready in the running
+  engine: every byte hashed against its manifest, the weights loaded (vLLM: ``reload_weights`` into
+  a drained server), and the golden prompts reproduced. ``reload_over_cold`` is their ratio.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Literal
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from peerd import manifest as mf
+from peerd.store import ChunkStore
+from serving import golden, hf_build
+from serving.engine import VersionKey
+
+EngineName = Literal["vllm", "transformers"]
+
+
+def _stored(src: Path, store: Path, version: str, key) -> Path:
+    m = mf.build_from_directory(src, "bench", version, chunk_size=1 << 20, serving={"golden": golden.record(src)})
+    vs = ChunkStore(store).open_version(m, mf.signed_bytes(m, key))
+    vs.import_files(src)
+    vs.write_verified()
+    vs.close()
+    return vs.model_dir
+
+
+def _plain_vllm_cold_start(engine, model_dir: Path) -> float:
+    """A fresh vLLM server on ``model_dir`` until it answers one completion (then stopped)."""
+    from lib.processes import stop_process
+    t0 = time.monotonic()
+    server = engine.start_server(VersionKey("bench", "cold"), model_dir, b"")
+    try:
+        req = urllib.request.Request(server.base + "/v1/completions", headers={"Content-Type": "application/json"},
+                                     data=json.dumps({"model": "bench", "prompt": [1, 2, 3], "max_tokens": 1}).encode())
+        with urllib.request.urlopen(req, timeout=120) as r:
+            r.read()
+        return time.monotonic() - t0
+    finally:
+        stop_process(server.proc)
+
+
+def run_engine_bench(engine_name: EngineName = "vllm", workdir: Path | None = None) -> dict:
+    work = Path(workdir or tempfile.mkdtemp(prefix="wc-engine-"))
+    key = Ed25519PrivateKey.generate()
+    try:
+        dirs = {v: _stored(hf_build.build("llama", work / f"src-{v}", seed=i), work / "store", v, key)
+                for i, v in enumerate(("v1", "v2"))}
+        if engine_name == "vllm":
+            from serving.vllm_engine import VllmEngine
+            engine = VllmEngine(work / "vllm")
+            cold = _plain_vllm_cold_start(engine, dirs["v1"])
+            engine.load(VersionKey("bench", "v1"), dirs["v1"], None, 0)
+            engine.unload(VersionKey("bench", "v1"))           # drained: its server waits for the next version
+        else:
+            from serving.hf_engine import TransformersEngine
+            engine = TransformersEngine()
+            t0 = time.monotonic()
+            engine.load(VersionKey("bench", "v1"), dirs["v1"], None, 0)
+            cold = time.monotonic() - t0
+        t0 = time.monotonic()
+        nbytes = engine.load(VersionKey("bench", "v2"), dirs["v2"], None, 0)   # raises if golden prompts fail
+        reload_s = time.monotonic() - t0
+        how = getattr(engine, "last_load", {}).get("how", "in_process")
+        if hasattr(engine, "stop_all"):
+            engine.stop_all()
+        return {"engine": engine_name, "model": "llama (serving/hf_build.py TINY, bf16)", "bytes": nbytes,
+                "cold_start_s": round(cold, 3), "reload_s": round(reload_s, 3), "reload_how": how,
+                "reload_over_cold": round(reload_s / cold, 4), "golden_ok": True,
+                "reload_includes": "hash of every byte against the manifest + weights into the engine + golden prompts"}
+    finally:
+        if workdir is None:
+            shutil.rmtree(work, ignore_errors=True)

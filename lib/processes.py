@@ -1,0 +1,61 @@
+"""Child processes that must not outlive their parent, how they ended, and their logs' last lines."""
+from __future__ import annotations
+
+import ctypes
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+_PR_SET_PDEATHSIG = 1
+_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+
+
+def _die_with_parent() -> None:
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def child_options(pool_thread: bool = False) -> dict:
+    """Popen options for a child that must not outlive its parent (Linux: the kernel sends it SIGTERM
+    when the parent dies, even by SIGKILL), so no daemon is left behind by a stopped benchmark or stack.
+    The signal follows the *thread* that forked: from the main thread, or (``pool_thread``) from a
+    thread that lives as long as the process (asyncio's default executor keeps its threads)."""
+    if _prctl is None or (threading.current_thread() is not threading.main_thread() and not pool_thread):
+        return {}
+    return {"preexec_fn": _die_with_parent}
+
+
+def describe_exit(returncode: int | None) -> str:
+    """'running', 'exit code N' or 'signal SIGABRT' (Popen reports a signal as -N)."""
+    if returncode is None:
+        return "running"
+    if returncode < 0:
+        try:
+            return f"signal {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"signal {-returncode}"
+    return f"exit code {returncode}"
+
+
+def last_lines(path: Path, n: int = 12, max_bytes: int = 64 * 1024) -> list[str]:
+    """The last lines of a log file (for a report that says why a process died)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - max_bytes))
+            return f.read().decode("utf-8", "replace").splitlines()[-n:]
+    except OSError as e:
+        return [f"(log unreadable: {e})"]
+
+
+def stop_process(proc: subprocess.Popen | None, grace: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL after ``grace`` seconds."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

