@@ -40,8 +40,11 @@ def _stored(src: Path, store: Path, version: str, key) -> Path:
 def _plain_vllm_cold_start(engine, model_dir: Path) -> float:
     """A fresh vLLM server on ``model_dir`` until it answers one completion (then stopped)."""
     from lib.processes import stop_process
+    from serving.footprint import kv_bytes_per_token
+    config = (model_dir / "config.json").read_bytes()
+    kv = engine.kv_cache_tokens * kv_bytes_per_token(json.loads(config), engine.dtype)
     t0 = time.monotonic()
-    server = engine.start_server(VersionKey("bench", "cold"), model_dir, b"")
+    server = engine.start_server(VersionKey("bench", "cold"), model_dir, config, kv)
     try:
         req = urllib.request.Request(server.base + "/v1/completions", headers={"Content-Type": "application/json"},
                                      data=json.dumps({"model": "bench", "prompt": [1, 2, 3], "max_tokens": 1}).encode())

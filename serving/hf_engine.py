@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from serving.engine import VersionGone, VersionKey
+from serving.footprint import KV_CACHE_TOKENS, footprint
 from serving.golden import GoldenError, GoldenMismatch, check as check_golden
 from serving.hf_build_lock import BUILD
 from serving.loader import LoadError, check_fingerprint, pick_device, read_tensors
@@ -78,8 +79,9 @@ def checked_hf_files(key: VersionKey, model_dir: Path) -> tuple[VerifiedFiles, d
 
 
 class TransformersEngine:
-    def __init__(self, device: torch.device | None = None):
+    def __init__(self, device: torch.device | None = None, kv_cache_tokens: int = KV_CACHE_TOKENS):
         self._device = device or pick_device()
+        self.kv_cache_tokens = kv_cache_tokens      # counted against the budget (generate grows its cache to it)
         self.models: dict[VersionKey, Loaded] = {}
 
     def device(self) -> str:
@@ -92,10 +94,10 @@ class TransformersEngine:
             files, golden, _ = checked_hf_files(key, model_dir)
             cfg_doc = json.loads(bytes(files.read(CONFIG)))
             tokenizer = _tokenizer(files)
-            nbytes, index = _index(files)
-            if memory_budget is not None and in_use + nbytes > memory_budget:
-                raise LoadError("oom", f"{key.model} {key.version} needs {nbytes} bytes; {in_use} of the "
-                                       f"{memory_budget}-byte budget are in use. Unload a version first")
+            weights, index = _index(files)
+            need = footprint(cfg_doc, weights, self.kv_cache_tokens)
+            need.check(f"{key.model} {key.version}", memory_budget, in_use)
+            nbytes = need.total
             cfg = AutoConfig.for_model(**cfg_doc)
             cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(cfg), None)
             if cls is None:

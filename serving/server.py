@@ -29,6 +29,8 @@ from peerd.metrics import metrics_handler
 from serving import openai_host
 from serving.auto_engine import AutoEngine
 from serving.engine import Engine, VersionGone, VersionKey
+from serving.footprint import KV_CACHE_TOKENS
+from serving.hf_engine import TransformersEngine
 from serving.http_json import MAX_BODY, bad_request, json_object
 from serving.loader import LoadError
 
@@ -288,7 +290,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--listen", default="127.0.0.1")
     ap.add_argument("--header-timeout", type=float, default=10.0, help="seconds to send a request head (default 10)")
     ap.add_argument("--max-versions", type=int, default=2)
-    ap.add_argument("--memory-budget", type=int, default=None, help="bytes of weights this host may hold")
+    ap.add_argument("--memory-budget", type=int, default=None,
+                    help="bytes this host's versions may take: weights plus each engine's KV-cache reserve")
+    ap.add_argument("--kv-cache-tokens", type=int, default=KV_CACHE_TOKENS,
+                    help="tokens of KV cache each Hugging Face version reserves (counted against the budget)")
     ap.add_argument("--store", type=Path, required=True, help="peerd's store root: versions load only from under it")
     ap.add_argument("--admin-token", default=os.environ.get("WEIGHTCAST_ADMIN_TOKEN", ""),
                     help="token for load/unload (default $WEIGHTCAST_ADMIN_TOKEN); required")
@@ -301,10 +306,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def engine_for(a) -> Engine:
-    if a.engine == "vllm":
+    return make_engine(a.engine, a.store.parent / "vllm", a.vllm_python, a.kv_cache_tokens)
+
+
+def make_engine(name: str = "transformers", workdir: Path | None = None, vllm_python: str | None = None,
+                kv_cache_tokens: int = KV_CACHE_TOKENS) -> Engine:
+    """The model server's engine: Hugging Face checkpoints on ``name`` (transformers in this process, or
+    vLLM servers started under ``workdir``), weightcast's reference checkpoints on the reference engine."""
+    if name == "vllm":
         from serving.vllm_engine import VllmEngine
-        return AutoEngine(hf=VllmEngine(a.store.parent / "vllm", python=a.vllm_python))
-    return AutoEngine()
+        return AutoEngine(hf=VllmEngine(workdir, python=vllm_python, kv_cache_tokens=kv_cache_tokens))
+    return AutoEngine(hf=TransformersEngine(kv_cache_tokens=kv_cache_tokens))
 
 
 def main(argv=None) -> int:

@@ -27,12 +27,12 @@ from pathlib import Path
 
 from lib.processes import child_options, describe_exit, last_lines, stop_process
 from serving.engine import VersionGone, VersionKey
+from serving.footprint import KV_CACHE_TOKENS, footprint
 from serving.golden import GoldenError, GoldenMismatch, check as check_golden
 from serving.hf_engine import CONFIG, checked_hf_files
 from serving.loader import LoadError
 
 REPO = Path(__file__).resolve().parent.parent
-KV_CACHE_GIB = 1            # VLLM_CPU_KVCACHE_SPACE: the KV cache each server reserves (GiB), on top of the weights
 
 
 def vllm_python() -> str:
@@ -68,10 +68,12 @@ class Server:
 
 class VllmEngine:
     def __init__(self, workdir: Path, python: str | None = None, max_model_len: int = 256, dtype: str = "bfloat16",
-                 start_timeout_s: float = 900.0, kv_cache_gib: int = KV_CACHE_GIB):
+                 start_timeout_s: float = 900.0, kv_cache_tokens: int = KV_CACHE_TOKENS):
         self.workdir, self.python = Path(workdir), python or vllm_python()
-        self.max_model_len, self.dtype, self.start_timeout_s, self.kv_cache_gib = (max_model_len, dtype,
-                                                                                   start_timeout_s, kv_cache_gib)
+        self.max_model_len, self.dtype, self.start_timeout_s = max_model_len, dtype, start_timeout_s
+        # the KV cache each server reserves (--kv-cache-memory-bytes), on top of the weights; at least one
+        # whole context
+        self.kv_cache_tokens = max(kv_cache_tokens, max_model_len)
         self.servers: dict[VersionKey, Server] = {}
         self.idle: dict[str, Server] = {}          # model -> a drained server kept for an in-place reload
         self.last_load: dict[str, object] = {}      # how the last load went: "in_place" or "cold", seconds
@@ -82,14 +84,12 @@ class VllmEngine:
     # ---------------------------------------------------------------- load
     def load(self, key: VersionKey, model_dir: Path, memory_budget: int | None, in_use: int) -> int:
         files, golden, weights = checked_hf_files(key, model_dir)
+        config = bytes(files.read(CONFIG))
+        need = footprint(json.loads(config), weights, self.kv_cache_tokens, self.dtype)
+        need.check(f"{key.model} {key.version}", memory_budget, in_use)     # before a byte more is read
         for rel in files.files:                      # every byte hashed; vLLM then reads the verified files
-            files.read(rel)
-        nbytes = weights + self.kv_cache_gib * 2**30
-        if memory_budget is not None and in_use + nbytes > memory_budget:
-            raise LoadError("oom", f"{key.model} {key.version} needs {nbytes} bytes (weights and a "
-                                   f"{self.kv_cache_gib} GiB KV cache); {in_use} of the {memory_budget}-byte budget "
-                                   "are in use. Unload a version first")
-        config = (Path(model_dir) / CONFIG).read_bytes()
+            if rel != CONFIG:
+                files.read(rel)
         t0 = time.monotonic()
         server = self.idle.pop(key.model, None)
         if server is not None and server.config == config and server.proc.poll() is None:
@@ -98,7 +98,7 @@ class VllmEngine:
         else:
             if server is not None:
                 stop_process(server.proc)
-            server = self.start_server(key, model_dir, config)
+            server = self.start_server(key, model_dir, config, need.kv_cache)
             how = "cold"
         try:
             check_golden(lambda ids, n: self._greedy(server, ids, n), golden)
@@ -108,9 +108,9 @@ class VllmEngine:
         server.version = key.version
         self.servers[key] = server
         self.last_load = {"how": how, "seconds": round(time.monotonic() - t0, 3)}
-        return nbytes
+        return need.total
 
-    def start_server(self, key: VersionKey, model_dir: Path, config: bytes) -> Server:
+    def start_server(self, key: VersionKey, model_dir: Path, config: bytes, kv_cache_bytes: int) -> Server:
         """A new vLLM server on ``model_dir``, answering its health check (LoadError otherwise)."""
         self.workdir.mkdir(parents=True, exist_ok=True)
         if not Path(self.python).exists():
@@ -120,8 +120,8 @@ class VllmEngine:
         log = self.workdir / f"vllm-{key.model}-{port}.log"
         cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                "--served-model-name", key.model, "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
-               "--host", "127.0.0.1", "--port", str(port)]
-        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
+               "--kv-cache-memory-bytes", str(kv_cache_bytes), "--host", "127.0.0.1", "--port", str(port)]
+        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1",
                "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
         with open(log, "ab") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,

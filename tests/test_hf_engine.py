@@ -115,3 +115,34 @@ async def test_bad_hugging_face_checkpoints_never_become_ready(tmp_path, keys, h
              "notokenizer")
     assert e.code == "bad_checkpoint" and "tokenizer" in str(e)
     assert engine.models == {}                                   # nothing stayed loaded
+
+
+async def test_a_version_takes_its_weights_and_its_kv_cache_from_the_budget(tmp_path, keys, hf_checkpoints):
+    """The budget counts the weights and the KV cache the engine reserves (2 × layers × KV heads ×
+    head dim × dtype bytes a token): a budget that holds the weights alone is refused before the weights
+    are read; one that holds the version is filled by it, and a second version does not fit beside it."""
+    from serving.auto_engine import AutoEngine
+    from serving.footprint import kv_bytes_per_token
+    src, g = hf_checkpoints["llama"]
+    cfg = json.loads((src / "config.json").read_text())
+    per_token = kv_bytes_per_token(cfg)
+    assert per_token == 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * 2   # bf16
+    weights = sum(f.stat().st_size for f in src.glob("*.safetensors"))
+    tokens = 4096
+    need = weights + tokens * per_token
+    dirs = [store_version(tmp_path, src, "llama", v, keys["private"], serving={"golden": g}) for v in ("v1", "v2")]
+
+    small = ModelServer("h1", engine=AutoEngine(hf=TransformersEngine(kv_cache_tokens=tokens)),
+                        store_root=store_root(tmp_path), admin_token=ADMIN, memory_budget=need - 1)
+    vs = await small.load(("llama", "v1"), dirs[0])
+    assert vs.state == "failed" and vs.code == "oom"
+    assert f"{weights} of weights" in vs.reason and f"{tokens * per_token}-byte KV cache" in vs.reason
+
+    ms = ModelServer("h1", engine=AutoEngine(hf=TransformersEngine(kv_cache_tokens=tokens)),
+                     store_root=store_root(tmp_path), admin_token=ADMIN, memory_budget=need + need // 2)
+    vs = await ms.load(("llama", "v1"), dirs[0])
+    assert vs.state == "ready" and vs.nbytes == need and ms.in_use() == need
+    vs = await ms.load(("llama", "v2"), dirs[1])
+    assert vs.state == "failed" and vs.code == "oom" and f"{need} of the" in vs.reason
+    assert ms.unload(("llama", "v1"))
+    assert (await ms.load(("llama", "v2"), dirs[1])).state == "ready"

@@ -2,6 +2,7 @@
 the model server and the router, answering the official `openai` client: a cold start, a second
 version beside the first, an in-place reload into a drained server, and the failures: a reload whose
 golden check fails (the server is stopped, the version never ready) and an engine that cannot start."""
+import json
 import subprocess
 import time
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 
 from serving.auto_engine import AutoEngine
 from serving.engine import VersionKey
+from serving.footprint import kv_bytes_per_token
 from serving.router import Router, make_app as router_app
 from serving.server import ModelServer, make_app as server_app
 from serving.vllm_engine import VllmEngine
@@ -46,9 +48,12 @@ async def test_vllm_serves_reloads_in_place_and_never_serves_what_fails_its_chec
     client = openai.AsyncOpenAI(base_url=f"{raddr}/v1", api_key="none", max_retries=0)
     try:
         t0 = time.monotonic()
-        assert (await ms.load(("llama", "v1"), dirs["v1"])).state == "ready"
+        vs = await ms.load(("llama", "v1"), dirs["v1"])
         cold_s = time.monotonic() - t0
-        assert engine.last_load["how"] == "cold"
+        assert vs.state == "ready" and engine.last_load["how"] == "cold"
+        per_token = kv_bytes_per_token(json.loads((src / "config.json").read_text()), "bfloat16")
+        weights = sum(f.stat().st_size for f in src.glob("*.safetensors"))
+        assert vs.nbytes == weights + engine.kv_cache_tokens * per_token    # weights + the KV cache it reserved
         router.table.add_host("llama", "h1", ms_addr)
         router.table.add_version("llama", "v1")
         await router.poll_once()
@@ -111,3 +116,34 @@ async def test_an_engine_that_cannot_start_fails_the_load_with_its_last_words(tm
     vs = await ms.load(("llama", "v1"), d)
     assert vs.state == "failed" and vs.code == "engine_failed" and "vllm" in vs.reason.lower()
     assert not engine.servers and not engine.idle
+
+
+async def test_each_architecture_rolls_out_into_vllm_and_answers_the_openai_client(tmp_path, seaweed, keys,
+                                                                                   hf_checkpoints, vllm_python):
+    """Publish → RolloutWorkflow on the dev server → peerd → a vLLM server on the host, ready once it
+    reproduced the golden prompts → the router → the official client gets the golden completions."""
+    from peerd.origin import OriginSpec
+    from weightcast.publish import PublishRequest, publish_and_start
+    from weightcast.stack.embedded import EmbeddedStack
+    from weightcast.stack.seaweed import ACCESS_KEY, SECRET_KEY
+    stack = await EmbeddedStack(tmp_path / "stack", keys["pub_path"], ["a"], s3=seaweed, engine="vllm").start()
+    engine = stack.model_servers["a"].engine.hf
+    assert isinstance(engine, VllmEngine) and engine.python == vllm_python
+    client = openai.AsyncOpenAI(base_url=f"{stack.router_addr}/v1", api_key="none", max_retries=0)
+    try:
+        for arch, (src, golden) in hf_checkpoints.items():
+            req = PublishRequest(src, arch, "v1", keys["priv_path"], OriginSpec(seaweed.endpoint, seaweed.bucket,
+                                                                                f"vllm/{arch}/v1"),
+                                 chunk_size=64 * 1024, access_key=ACCESS_KEY, secret_key=SECRET_KEY)
+            out = await publish_and_start(stack.client, req, stack.hosts, router=stack.router_addr, step_wait_s=0.0)
+            result = await stack.client.get_workflow_handle(out["workflow_id"]).result()
+            assert result["ready"] == ["a"] and result["traffic"] == {"v1": 100}, result
+            assert VersionKey(arch, "v1") in engine.servers
+            for p in golden["prompts"][:2]:
+                r = await client.completions.create(model=arch, prompt=p["text"], max_tokens=len(p["output_ids"]),
+                                                    temperature=0)
+                assert r.choices[0].text == golden_text(src, p)[0], arch
+    finally:
+        await client.close()
+        await stack.stop()
+    assert all(s.proc.poll() is not None for s in engine.servers.values())

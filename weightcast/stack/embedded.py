@@ -10,11 +10,12 @@ import logging
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from aiohttp import web
 
 from serving.router import Router, make_app as router_app
-from serving.server import ModelServer, make_app as server_app
+from serving.server import ModelServer, make_app as server_app, make_engine
 from weightcast.stack.module_proc import ModuleProc
 from weightcast.stack.peerd_proc import PeerdProc, fleet_args
 from weightcast.stack.ports import free_ports
@@ -50,6 +51,7 @@ class EmbeddedStack:
     router_port: int = 0
     supervise: bool = False                  # restart dead parts with back-off (dev up); fault tests keep it off
     max_versions: int = 4                    # per model server: two models, each with a new and a previous version
+    engine: Literal["transformers", "vllm"] = "transformers"    # what runs Hugging Face checkpoints on each host
 
     async def start(self) -> "EmbeddedStack":
         self.root.mkdir(parents=True, exist_ok=True)
@@ -79,7 +81,8 @@ class EmbeddedStack:
         self.hosts: list[HostSpec] = []
         self.host_workers: dict[str, ModuleProc] = {}
         for i in self.host_ids:
-            self.model_servers[i] = ModelServer(i, store_root=self.peerd[i].store, admin_token=self.admin_token,
+            self.model_servers[i] = ModelServer(i, engine=make_engine(self.engine, self.root / i / "vllm"),
+                                                store_root=self.peerd[i].store, admin_token=self.admin_token,
                                                 max_versions=self.max_versions)
             r, addr = await serve_app(server_app(self.model_servers[i]))
             self.runners.append(r)
@@ -156,6 +159,9 @@ class EmbeddedStack:
         await _bounded(self.control_worker.shutdown(), "control worker shutdown")
         for r in self.runners:
             await _bounded(r.cleanup(), "HTTP server cleanup")
+        for ms in self.model_servers.values():       # engine processes (vLLM servers), whatever cleanup managed
+            if hasattr(ms.engine, "stop_all"):
+                await asyncio.to_thread(ms.engine.stop_all)
         for p in self.peerd.values():
             await asyncio.to_thread(p.stop)
         await _bounded(self.stop_temporal(), "Temporal dev server shutdown")
