@@ -28,7 +28,8 @@ from serving.engine import VersionKey
 EngineName = Literal["vllm", "transformers"]
 
 
-def _stored(src: Path, store: Path, version: str, key) -> Path:
+def stored_version(src: Path, store: Path, version: str, key) -> Path:
+    """``src`` published as ("bench", ``version``) with its golden prompts, through a peerd store."""
     m = mf.build_from_directory(src, "bench", version, chunk_size=1 << 20, serving={"golden": golden.record(src)})
     vs = ChunkStore(store).open_version(m, mf.signed_bytes(m, key))
     vs.import_files(src)
@@ -59,7 +60,7 @@ def run_engine_bench(engine_name: EngineName = "vllm", workdir: Path | None = No
     work = Path(workdir or tempfile.mkdtemp(prefix="wc-engine-"))
     key = Ed25519PrivateKey.generate()
     try:
-        dirs = {v: _stored(hf_build.build("llama", work / f"src-{v}", seed=i), work / "store", v, key)
+        dirs = {v: stored_version(hf_build.build("llama", work / f"src-{v}", seed=i), work / "store", v, key)
                 for i, v in enumerate(("v1", "v2"))}
         if engine_name == "vllm":
             from serving.vllm_engine import VllmEngine

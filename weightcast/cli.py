@@ -217,6 +217,12 @@ def cmd_bench_engine(a) -> int:
     return 0
 
 
+def cmd_bench_router(a) -> int:
+    from bench.router import run_router_bench
+    print(json.dumps(run_router_bench(a.engine, a.requests), indent=None if a.json else 1))
+    return 0
+
+
 def cmd_bench_rollout(a) -> int:
     from bench.rollout import run_rollout_bench
     bar = Progress("rollout")
@@ -774,6 +780,13 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--engine", choices=("vllm", "transformers"), default="vllm")
     be.add_argument("--json", action="store_true")
     be.set_defaults(fn=cmd_bench_engine)
+
+    bq = bench.add_parser("router", help="time to first token of streamed completions through the router vs the "
+                                         "engine called directly, alternating, same run")
+    bq.add_argument("--engine", choices=("vllm", "transformers"), default="vllm")
+    bq.add_argument("--requests", type=int, default=200, help="streamed requests on each path")
+    bq.add_argument("--json", action="store_true")
+    bq.set_defaults(fn=cmd_bench_router)
 
     br = bench.add_parser("rollout", help="a whole rollout on the embedded stack vs the byte-moving lower bound")
     br.add_argument("--hosts", type=int, default=4)
