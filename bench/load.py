@@ -27,10 +27,11 @@ from serving.model import ModelConfig
 from serving.verified_read import VerifiedFiles
 
 
-def _store_version(src: Path, store_root: Path, version: str, chunk_size: int, algorithm: str) -> Path:
+def _store_version(src: Path, store_root: Path, version: str, chunk_size: int, algorithm: str,
+                   serving: dict | None = None) -> Path:
     """Lay the checkpoint out as peerd would have: in its store, chunk by chunk, with manifest and
     verified.json (signed with a throwaway key: the loader checks digests, the rollout signatures)."""
-    m = mf.build_from_directory(src, "bench", version, chunk_size=chunk_size, algorithm=algorithm)
+    m = mf.build_from_directory(src, "bench", version, chunk_size=chunk_size, algorithm=algorithm, serving=serving)
     vs = ChunkStore(store_root).open_version(m, mf.signed_bytes(m, Ed25519PrivateKey.generate()))
     vs.import_files(src)
     vs.write_verified()
@@ -75,30 +76,60 @@ def _hash_gbps(algorithm: str, nbytes: int = 256 << 20, block: int = 64 << 20) -
     return best
 
 
+def _reference(work: Path, size: int, chunk_size: int, algorithm: str):
+    """weightcast's reference transformer of ``size`` bytes, and how to load it (bytes, seconds)."""
+    cfg = ModelConfig.for_size(size)
+    src = write_checkpoint(work / "ckpt", cfg, seed=1, shard_bytes=512 << 20, version="bench")
+    d = _store_version(src, work / "store", "bench", chunk_size, algorithm)
+    shutil.rmtree(src)
+    device = pick_device()
+
+    def load() -> tuple[int, float]:
+        r = load_model(d, "bench", device)
+        return r.nbytes, r.seconds
+    return d, cfg.to_dict(), device, load
+
+
+def _llama(work: Path, size: int, chunk_size: int, algorithm: str):
+    """A Hugging Face Llama directory of about ``size`` bytes (bf16, random weights, 256 MB shards) on
+    the transformers engine: verified read, model built on the verified tensors, resident on the
+    device (its golden check is not timed: random weights have none to pass)."""
+    from serving import hf_build
+    from serving.engine import VersionKey
+    from serving.hf_engine import TransformersEngine
+    shape = hf_build.size_for_bytes(size)
+    src = hf_build.build("llama", work / "ckpt", size=shape, train_steps=0, max_shard_size="256MB")
+    d = _store_version(src, work / "store", "bench", chunk_size, algorithm, serving={"golden": {"prompts": []}})
+    shutil.rmtree(src)
+    engine = TransformersEngine(kv_cache_tokens=0)
+
+    def load() -> tuple[int, float]:
+        t0 = time.perf_counter()
+        loaded, _ = engine.build(VersionKey("bench", "bench"), d)
+        return loaded.nbytes, time.perf_counter() - t0
+    return d, {"architecture": "llama", **shape.__dict__}, engine._device, load
+
+
 def run_load_bench(size: int, repeats: int = 3, workdir: Path | None = None, chunk_size: int = 64 << 20,
-                   algorithm: str = mf.HASH_ALGORITHM) -> dict:
+                   algorithm: str = mf.HASH_ALGORITHM, engine: str = "reference") -> dict:
     work = Path(workdir or tempfile.mkdtemp(prefix="wc-load-"))
     try:
-        cfg = ModelConfig.for_size(size)
-        src = write_checkpoint(work / "ckpt", cfg, seed=1, shard_bytes=512 << 20, version="bench")
-        d = _store_version(src, work / "store", "bench", chunk_size, algorithm)
-        shutil.rmtree(src)
+        d, model, device, load = (_llama if engine == "transformers" else _reference)(work, size, chunk_size,
+                                                                                       algorithm)
         nbytes = _read_all(d)                        # warm the page cache
-        device = pick_device()
-        load_model(d, "bench", device)               # warm torch (first-call initialisation)
+        load()                                       # warm torch (first-call initialisation)
         reads, loads = [], []
         for _ in range(repeats):                     # interleaved, so both see the same machine state
             t0 = time.perf_counter()
             _read_all(d)
             reads.append(nbytes / (time.perf_counter() - t0) / 1e9)
-            r = load_model(d, "bench", device)
-            loads.append(r.nbytes / r.seconds / 1e9)
-            del r
+            n, seconds = load()
+            loads.append(n / seconds / 1e9)
         read_gbps, load_gbps = max(reads), max(loads)
         threads = min(VerifiedFiles.default_threads(), os.cpu_count() or 1)
         core_gbps = _hash_gbps(algorithm)
         hash_bound = core_gbps * threads
-        return {"size_bytes": nbytes, "model": cfg.to_dict(), "device": str(device), "repeats": repeats,
+        return {"size_bytes": nbytes, "engine": engine, "model": model, "device": str(device), "repeats": repeats,
                 "load_includes": f"read + {algorithm} of every byte against the manifest + tensors resident on the device",
                 "hash_algorithm": algorithm,
                 "chunk_size": chunk_size,

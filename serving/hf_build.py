@@ -39,6 +39,14 @@ class Size:
 TINY = Size()
 
 
+def size_for_bytes(nbytes: int, dtype_bytes: int = 2) -> Size:
+    """A Llama-shaped size (hidden 1024, head dim 128, GQA 8/2) with as many layers as make about
+    ``nbytes`` of weights: for load benchmarks (random weights, untrained)."""
+    hidden, inter, kv = 1024, 2816, 256
+    per_layer = (2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * inter) * dtype_bytes
+    return Size(hidden=hidden, layers=max(1, round(nbytes / per_layer)), heads=8, kv_heads=2, intermediate=inter)
+
+
 def corpus() -> list[str]:
     """Python's documentation topics, paragraph by paragraph."""
     import pydoc_data.topics

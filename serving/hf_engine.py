@@ -88,6 +88,18 @@ class TransformersEngine:
         return str(self._device)
 
     def load(self, key: VersionKey, model_dir: Path, memory_budget: int | None, in_use: int) -> int:
+        loaded, golden = self.build(key, model_dir, memory_budget, in_use)
+        try:
+            check_golden(lambda ids, n: _greedy(loaded.model, ids, n, self._device), golden)
+        except (GoldenMismatch, GoldenError) as e:
+            raise LoadError("smoke_failed", f"{key.model} {key.version}: {e}") from None
+        self.models[key] = loaded
+        return loaded.nbytes
+
+    def build(self, key: VersionKey, model_dir: Path, memory_budget: int | None = None,
+              in_use: int = 0) -> tuple[Loaded, dict]:
+        """The model built from the verified bytes, resident on the device, not yet checked; and the
+        golden record it must reproduce. Raises LoadError."""
         from transformers import AutoConfig
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
         try:
@@ -119,12 +131,9 @@ class TransformersEngine:
             raise LoadError("oom", f"out of host memory loading {key.model} {key.version}") from None
         except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
             raise LoadError("bad_checkpoint", f"cannot load {key.model} {key.version}: {type(e).__name__}: {e}") from None
-        try:
-            check_golden(lambda ids, n: _greedy(model, ids, n, self._device), golden)
-        except (GoldenMismatch, GoldenError) as e:
-            raise LoadError("smoke_failed", f"{key.model} {key.version}: {e}") from None
-        self.models[key] = Loaded(model, tokenizer, nbytes)
-        return nbytes
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+        return Loaded(model, tokenizer, nbytes), golden
 
     def unload(self, key: VersionKey) -> None:
         self.models.pop(key, None)

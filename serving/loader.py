@@ -112,8 +112,8 @@ def read_tensors(files: VerifiedFiles, index: dict, device: torch.device,
     bytes (CPU) or staged to the device from them (CUDA)."""
     stager = PinnedStager(stage_bytes, device) if device.type == "cuda" else None
     state: dict[str, torch.Tensor] = {}
-    for shard in sorted(set(index["weight_map"].values())):
-        for name, t in safetensors_views(files.read(shard), shard).items():
+    for shard, buf in files.read_each(sorted(set(index["weight_map"].values()))):
+        for name, t in safetensors_views(buf, shard).items():
             state[name] = stager.to_device(t) if stager else t
     if stager:
         stager.finish()

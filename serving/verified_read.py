@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -57,16 +58,34 @@ class VerifiedFiles:
 
     def read(self, rel: str) -> bytearray:
         """The whole file, every chunk checked against the manifest. Raises VerifyError."""
+        return next(self.read_each([rel]))[1]
+
+    def read_each(self, rels: list[str]) -> Iterator[tuple[str, bytearray]]:
+        """(path, bytes) of each file in turn, each once every chunk of it matched the manifest. One pool
+        of hashing threads serves them all: the next file is read, and its chunks hashed, while the last
+        chunks of this one finish and while the caller uses it (a pool per file would leave a core idle
+        at every file's end). Raises VerifyError."""
+        with ThreadPoolExecutor(self.threads) as pool:
+            started = None
+            for rel in rels:
+                nxt = self._start(pool, rel)
+                if started is not None:
+                    yield self._finish(*started)
+                started = nxt
+            if started is not None:
+                yield self._finish(*started)
+
+    def _start(self, pool: ThreadPoolExecutor, rel: str) -> tuple[str, bytearray, list]:
+        """Read ``rel`` chunk by chunk, each chunk's hash submitted as soon as it is in memory."""
         entry = self.files.get(rel)
         if entry is None:
             raise VerifyError("bad_checkpoint", f"{rel} is not listed in the signed manifest")
         buf = _buffer(entry.size)
         view = memoryview(buf)
-        chunks = self.manifest.chunks_of(rel)
+        pending = []
         try:
-            with open(self.model_dir / rel, "rb", buffering=0) as fh, ThreadPoolExecutor(self.threads) as pool:
-                pending = []
-                for c in chunks:              # read chunk i while earlier chunks hash in the pool
+            with open(self.model_dir / rel, "rb", buffering=0) as fh:
+                for c in self.manifest.chunks_of(rel):
                     piece = view[c.offset:c.offset + c.size]
                     got = 0
                     while got < c.size:
@@ -77,15 +96,18 @@ class VerifiedFiles:
                     pending.append((c, pool.submit(digests.hexdigest, self.manifest.hash_algorithm, piece)))
                 if fh.read(1):
                     raise VerifyError("altered", f"{rel} is longer than the {entry.size} bytes the manifest says")
-                for c, fut in pending:
-                    if fut.result() != c.digest:
-                        raise VerifyError("altered", f"{rel}: chunk {c.index} (bytes {c.offset}..{c.offset + c.size}) "
-                                                     "does not match the signed manifest; the file changed after "
-                                                     "verification: remove the version from peerd and fetch it again")
         except FileNotFoundError:
             raise VerifyError("altered", f"{rel} disappeared after verification") from None
-        self.bytes_hashed += entry.size
-        return buf
+        return rel, buf, pending
+
+    def _finish(self, rel: str, buf: bytearray, pending: list) -> tuple[str, bytearray]:
+        for c, fut in pending:
+            if fut.result() != c.digest:
+                raise VerifyError("altered", f"{rel}: chunk {c.index} (bytes {c.offset}..{c.offset + c.size}) "
+                                             "does not match the signed manifest; the file changed after "
+                                             "verification: remove the version from peerd and fetch it again")
+        self.bytes_hashed += len(buf)
+        return rel, buf
 
 
 HUGE = 2 << 20

@@ -87,9 +87,8 @@ class VllmEngine:
         config = bytes(files.read(CONFIG))
         need = footprint(json.loads(config), weights, self.kv_cache_tokens, self.dtype)
         need.check(f"{key.model} {key.version}", memory_budget, in_use)     # before a byte more is read
-        for rel in files.files:                      # every byte hashed; vLLM then reads the verified files
-            if rel != CONFIG:
-                files.read(rel)
+        for _ in files.read_each([rel for rel in files.files if rel != CONFIG]):
+            pass                                     # every byte hashed; vLLM then reads the verified files
         t0 = time.monotonic()
         server = self.idle.pop(key.model, None)
         if server is not None and server.config == config and server.proc.poll() is None:

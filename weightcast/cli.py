@@ -206,7 +206,7 @@ def cmd_bench_soak(a) -> int:
 
 def cmd_bench_load(a) -> int:
     from bench.load import run_load_bench
-    res = run_load_bench(a.size, a.repeats, algorithm=a.hash)
+    res = run_load_bench(a.size, a.repeats, algorithm=a.hash, engine=a.engine)
     print(json.dumps(res, indent=None if a.json else 1))
     return 0
 
@@ -772,6 +772,8 @@ def build_parser() -> argparse.ArgumentParser:
     bl.add_argument("--size", type=parse_size, default=parse_size("256M"))
     bl.add_argument("--repeats", type=int, default=3)
     bl.add_argument("--hash", choices=ALGORITHMS, default=mf.HASH_ALGORITHM, help=HASH_HELP)
+    bl.add_argument("--engine", choices=("reference", "transformers"), default="reference",
+                    help="reference: weightcast's own transformer; transformers: a Hugging Face Llama directory")
     bl.add_argument("--json", action="store_true")
     bl.set_defaults(fn=cmd_bench_load)
 
