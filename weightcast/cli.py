@@ -217,6 +217,11 @@ def cmd_bench_engine(a) -> int:
     return 0
 
 
+def cmd_gpu_check(a) -> int:
+    from bench.gpu_check import main as gpu_check
+    return gpu_check()
+
+
 def cmd_bench_router(a) -> int:
     from bench.router import run_router_bench
     print(json.dumps(run_router_bench(a.engine, a.requests), indent=None if a.json else 1))
@@ -797,6 +802,10 @@ def build_parser() -> argparse.ArgumentParser:
     br.add_argument("--step-wait", type=float, default=0.0, help="dwell at each traffic step (s)")
     br.add_argument("--json", action="store_true")
     br.set_defaults(fn=cmd_bench_rollout)
+
+    gc = sub.add_parser("gpu-check", help="on a CUDA host: verified load to the GPU, both engines in bf16, one "
+                                          "rollout; prints JSON (exit 2 without CUDA)")
+    gc.set_defaults(fn=cmd_gpu_check)
 
     pb = sub.add_parser("publish", help="CI/CD: upload a checkpoint, sign its manifest, start its rollout (idempotent)")
     pb.add_argument("source", type=Path, help="the checkpoint directory")
