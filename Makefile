@@ -36,8 +36,8 @@ $(VLLM_STAMP): constraints.txt
 
 vllm-venv: $(VLLM_STAMP)
 
-demo: $(STAMP)
-	$(BIN)/weightcast demo
+demo: $(STAMP) $(VLLM_STAMP)
+	$(BIN)/weightcast demo --engine vllm
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider

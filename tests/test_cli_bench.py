@@ -54,6 +54,10 @@ def test_demo_end_to_end():
     t = res["training"]
     assert t["steps"] == 24 and t["killed_rank_at_step"] >= 12 and len(t["recoveries"]) == 1
     assert "rank 1 on h1" in t["recoveries"][0] and t["resumed_from"][-1] > 0
+    # a Hugging Face Llama rolled out to two hosts answers the openai client with its golden completion
+    hf = res["hf"]
+    assert hf["hosts_ready"] == ["h0", "h1"] and hf["openai_completion"]["matches_golden"]
+    assert hf["openai_completion"]["text"]
 
 
 def test_bench_swarm_with_a_killed_and_a_corrupt_host(capsys):

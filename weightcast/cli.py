@@ -317,7 +317,8 @@ def cmd_demo(a) -> int:
         trained = ("OK: trained through Temporal (a rank killed mid-run and recovered from a checkpoint), exported, "
                    "published and " if "training" in res else "OK: ")
         print(trained + "rolled out through Temporal, verified on every host, loaded, smoke-tested, answering "
-              "through the router" if res["ok"] else "FAILED", file=sys.stderr)
+              f"through the router; a Hugging Face Llama rolled out on {res['hf']['engine']} answered the openai "
+              "client with its golden completion" if res["ok"] else "FAILED", file=sys.stderr)
         if keep:
             print(f"\nThe stack is still up. Temporal UI: {res['temporal_ui']}\n"
                   f"  weightcast rollout status {res['workflow_id']} --temporal {res['temporal']}\n"
@@ -325,7 +326,7 @@ def cmd_demo(a) -> int:
             await _enter_pressed()
 
     res = asyncio.run(run_demo(a.hosts, a.size, a.rate, lambda t, d, n, phase: bar(t, d, n), a.keep_ui, hold=hold,
-                               train_steps=a.train_steps))
+                               train_steps=a.train_steps, engine=a.engine))
     return 0 if res["ok"] else 1
 
 
@@ -940,6 +941,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--train-steps", type=int, default=30,
                    help="train this many steps first (one rank killed halfway) and roll out the result; 0: roll out "
                         "a random checkpoint")
+    d.add_argument("--engine", choices=("transformers", "vllm"), default="transformers",
+                   help="what runs the Hugging Face Llama the demo rolls out (`make demo`: vllm, from make vllm-venv)")
     d.add_argument("--keep-ui", type=float, default=0.0, help="seconds to keep the stack (and UI) up at the end")
     d.add_argument("--keep", action="store_true",
                    help="keep the stack up until Enter/Ctrl-C (the default at a terminal; not under CI=true)")

@@ -10,7 +10,10 @@
 3. shows RolloutWorkflow's progress: manifest → distribute (swarm) → verify → staged load
    (smoke-tested) → traffic steps;
 4. sends an inference request through the router and checks the answer against the weights that were
-   rolled out (the trained export), then prints the Temporal UI links.
+   rolled out (the trained export);
+5. rolls a Hugging Face Llama out to two hosts on the stack's engine (vLLM under `make demo`) and
+   asks the router for a completion with the ``openai`` client (weightcast/demo_hf.py); then prints
+   the Temporal UI links.
 """
 from __future__ import annotations
 
@@ -30,11 +33,15 @@ from peerd.origin import OriginSpec
 from peerd.signing import generate_keypair
 from serving.checkpoint import write_checkpoint
 from serving.model import ModelConfig, init_model
+from weightcast.demo_hf import roll_out_llama
 from weightcast.demo_training import PrologueFailed, train_then_roll_out
 from weightcast.publish import PublishRequest, publish_and_start
 from weightcast.stack.embedded import EmbeddedStack
 from weightcast.stack.seaweed import ACCESS_KEY, SECRET_KEY
 from workflows.rollout import RolloutWorkflow
+
+
+HF_DEADLINE_S = 900          # a vLLM cold start on a small CPU machine takes a minute or two
 
 
 class DemoFailed(RuntimeError):
@@ -43,10 +50,11 @@ class DemoFailed(RuntimeError):
 
 async def run_demo(hosts: int, size: int, rate: float, progress=None, keep_ui_s: float = 0.0, ui: bool = True,
                    step_wait_s: float = 0.5, deadline_s: float | None = None, hold=None, train_steps: int = 0,
-                   say=None) -> dict:
+                   say=None, engine: str = "transformers") -> dict:
     """``hold(result)``: awaited with the result before the stack is torn down, so the printed Temporal
     UI link and the CLI work against the live stack until it returns (the CLI waits for Enter).
-    ``train_steps``: train that many steps first and roll out the result (0: a random checkpoint)."""
+    ``train_steps``: train that many steps first and roll out the result (0: a random checkpoint).
+    ``engine``: what runs the Hugging Face Llama on the hosts (``transformers`` or ``vllm``)."""
     if hosts < 2 and train_steps:
         raise DemoFailed("the training prologue runs two ranks on two hosts: give --hosts 2 or more, or --train-steps 0")
     work = Path(tempfile.mkdtemp(prefix="wc-demo-"))
@@ -57,7 +65,7 @@ async def run_demo(hosts: int, size: int, rate: float, progress=None, keep_ui_s:
     try:
         generate_keypair(work / "key.pem", work / "key.pub")
         stack = await EmbeddedStack(work / "stack", work / "key.pub", [f"h{i}" for i in range(hosts)],
-                                    rate=rate, ui=ui).start()
+                                    rate=rate, ui=ui, engine=engine).start()
         loop = asyncio.get_running_loop()
         if train_steps:
             limit = 300 + 10 * train_steps
@@ -107,6 +115,11 @@ async def run_demo(hosts: int, size: int, rate: float, progress=None, keep_ui_s:
         with torch.no_grad():
             want = reference(torch.tensor(ids))[:, -1, :16]
         correct = r.status == 200 and bool(torch.allclose(torch.tensor(answer["logits_head"]), want, atol=1e-4))
+        try:
+            hf = await asyncio.wait_for(roll_out_llama(stack, work, work / "key.pem", say), HF_DEADLINE_S)
+        except asyncio.TimeoutError:
+            raise DemoFailed(json.dumps({"llama": f"not rolled out within {HF_DEADLINE_S} s",
+                                         "dead": _dead_parts(stack)})) from None
         if keep_ui_s:
             await asyncio.sleep(keep_ui_s)
         res = {"workflow_id": handle.id, "temporal_ui": stack.ui_url(handle.id), "temporal": stack.temporal_addr,
@@ -116,7 +129,7 @@ async def run_demo(hosts: int, size: int, rate: float, progress=None, keep_ui_s:
                 "bytes": pub["bytes"], "hosts_ready": result["ready"], "traffic": result["traffic"],
                 "inference": {"routed_host": answer.get("routed_host"), "model_version": answer.get("model_version"),
                               "matches_reference_weights": correct},
-                "ok": correct and len(result["ready"]) == hosts}
+                "hf": hf, "ok": correct and len(result["ready"]) == hosts and hf["ok"]}
         if training is not None:
             res["training"] = training
             res["ok"] = res["ok"] and len(training["recoveries"]) >= 1
