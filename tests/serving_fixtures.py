@@ -42,3 +42,16 @@ def store_version(tmp: Path, src: Path, model: str, version: str, key, serving: 
 def store_root(tmp: Path) -> Path:
     """The one peerd store that test versions live in (model servers load only from under it)."""
     return tmp / "store"
+
+
+async def publish_hf(stack, seaweed, keys, src: Path, model: str, version: str) -> dict:
+    """``src`` through `weightcast publish` (golden prompts recorded) and its rollout on ``stack`` to the
+    end; the workflow's result."""
+    from peerd.origin import OriginSpec
+    from weightcast.publish import PublishRequest, publish_and_start
+    from weightcast.stack.seaweed import ACCESS_KEY, SECRET_KEY
+    req = PublishRequest(src, model, version, keys["priv_path"],
+                         OriginSpec(seaweed.endpoint, seaweed.bucket, f"{stack.engine}/{model}/{version}"),
+                         chunk_size=64 * 1024, access_key=ACCESS_KEY, secret_key=SECRET_KEY)
+    out = await publish_and_start(stack.client, req, stack.hosts, router=stack.router_addr, step_wait_s=0.0)
+    return await stack.client.get_workflow_handle(out["workflow_id"]).result()

@@ -1,6 +1,7 @@
 """A Hugging Face directory of each architecture (Llama, Qwen2, GPT-2) through `weightcast publish`
 (golden prompts recorded into the signed manifest), the rollout workflow on the dev server, peerd and
-the transformers engine on every host, to answers through the router. A checkpoint too undecided to
+the transformers engine on every host, to the official openai client's answers through the router:
+the golden completions. A checkpoint too undecided to
 record golden prompts from is refused before anything is uploaded."""
 import json
 
@@ -9,7 +10,8 @@ import pytest
 
 from peerd.origin import OriginSpec
 from serving import hf_build
-from weightcast.publish import PublishError, PublishRequest, publish_and_start, upload
+from tests.serving_fixtures import publish_hf
+from weightcast.publish import PublishError, PublishRequest, upload
 from weightcast.stack.embedded import EmbeddedStack
 from weightcast.stack.seaweed import ACCESS_KEY, SECRET_KEY
 
@@ -17,14 +19,14 @@ HOSTS = ["a", "b"]
 
 
 async def test_each_architecture_publishes_rolls_out_and_answers(tmp_path, seaweed, keys, hf_checkpoints):
+    import openai
+
+    from tests.test_openai_api import golden_text
     stack = await EmbeddedStack(tmp_path / "stack", keys["pub_path"], HOSTS, s3=seaweed).start()
+    client = openai.AsyncOpenAI(base_url=f"{stack.router_addr}/v1", api_key="none", max_retries=0)
     try:
-        for arch, (src, _) in hf_checkpoints.items():
-            req = PublishRequest(src, arch, "v1", keys["priv_path"], OriginSpec(seaweed.endpoint, seaweed.bucket,
-                                                                                f"hf/{arch}/v1"),
-                                 chunk_size=64 * 1024, access_key=ACCESS_KEY, secret_key=SECRET_KEY)
-            out = await publish_and_start(stack.client, req, stack.hosts, router=stack.router_addr, step_wait_s=0.0)
-            result = await stack.client.get_workflow_handle(out["workflow_id"]).result()
+        for arch, (src, golden) in hf_checkpoints.items():
+            result = await publish_hf(stack, seaweed, keys, src, arch, "v1")
             assert result["ready"] == HOSTS and result["traffic"] == {"v1": 100}, result
             # the golden prompts travelled in the signed manifest, and every host reproduced them to be ready
             stored = json.loads((stack.peerd["a"].store / "versions" / result["version_id"] / "manifest.json")
@@ -39,7 +41,12 @@ async def test_each_architecture_publishes_rolls_out_and_answers(tmp_path, seawe
                                      json={"input_ids": [[1, 2, 3]]}) as r:
                     body = await r.json()
                 assert r.status == 200 and body["model"] == arch and body["model_version"] == "v1"
+            for p in golden["prompts"][:2]:          # the official client gets the golden completions
+                answer = await client.completions.create(model=arch, prompt=p["text"],
+                                                         max_tokens=len(p["output_ids"]), temperature=0)
+                assert answer.choices[0].text == golden_text(src, p)[0], arch
     finally:
+        await client.close()
         await stack.stop()
 
 

@@ -16,7 +16,7 @@ from serving.footprint import kv_bytes_per_token
 from serving.router import Router, make_app as router_app
 from serving.server import ModelServer, make_app as server_app
 from serving.vllm_engine import VllmEngine
-from tests.serving_fixtures import store_root, store_version
+from tests.serving_fixtures import publish_hf, store_root, store_version
 from tests.test_openai_api import golden_text
 from weightcast.stack.embedded import serve_app
 
@@ -122,21 +122,14 @@ async def test_each_architecture_rolls_out_into_vllm_and_answers_the_openai_clie
                                                                                    hf_checkpoints, vllm_python):
     """Publish → RolloutWorkflow on the dev server → peerd → a vLLM server on the host, ready once it
     reproduced the golden prompts → the router → the official client gets the golden completions."""
-    from peerd.origin import OriginSpec
-    from weightcast.publish import PublishRequest, publish_and_start
     from weightcast.stack.embedded import EmbeddedStack
-    from weightcast.stack.seaweed import ACCESS_KEY, SECRET_KEY
     stack = await EmbeddedStack(tmp_path / "stack", keys["pub_path"], ["a"], s3=seaweed, engine="vllm").start()
     engine = stack.model_servers["a"].engine.hf
     assert isinstance(engine, VllmEngine) and engine.python == vllm_python
     client = openai.AsyncOpenAI(base_url=f"{stack.router_addr}/v1", api_key="none", max_retries=0)
     try:
         for arch, (src, golden) in hf_checkpoints.items():
-            req = PublishRequest(src, arch, "v1", keys["priv_path"], OriginSpec(seaweed.endpoint, seaweed.bucket,
-                                                                                f"vllm/{arch}/v1"),
-                                 chunk_size=64 * 1024, access_key=ACCESS_KEY, secret_key=SECRET_KEY)
-            out = await publish_and_start(stack.client, req, stack.hosts, router=stack.router_addr, step_wait_s=0.0)
-            result = await stack.client.get_workflow_handle(out["workflow_id"]).result()
+            result = await publish_hf(stack, seaweed, keys, src, arch, "v1")
             assert result["ready"] == ["a"] and result["traffic"] == {"v1": 100}, result
             assert VersionKey(arch, "v1") in engine.servers
             for p in golden["prompts"][:2]:
