@@ -44,10 +44,14 @@ class AutoEngine:
     def infer(self, key: VersionKey, input_ids: list[list[int]]) -> dict:
         return self._engine(key).infer(key, input_ids)
 
-    def openai_base(self, key: VersionKey) -> str | None:
-        """The version's own OpenAI server, when its engine runs one (vLLM); None: generate here."""
+    def acquire(self, key: VersionKey):
+        """The version's own OpenAI server, held busy until ``release``, when its engine runs one (vLLM);
+        None: generate here. Raises VersionGone."""
         engine = self._engine(key)
-        return engine.openai_base(key) if hasattr(engine, "openai_base") else None
+        return engine.acquire(key) if hasattr(engine, "acquire") else None
+
+    def release(self, server) -> None:
+        self.hf.release(server)
 
     def _text(self, key: VersionKey) -> TransformersEngine:
         engine = self._engine(key)

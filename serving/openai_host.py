@@ -72,12 +72,15 @@ def add_routes(app: web.Application, ms) -> None:
         engine = ms.engine
         headers = {"X-Model": key.model, "X-Model-Version": key.version}
         try:
-            upstream = engine.openai_base(key)
+            server = engine.acquire(key)
         except VersionGone:
             return web.json_response(oa.error(f"{key.model} {key.version} was unloaded meanwhile", "not_ready"),
                                      status=409)
-        if upstream:                              # the version runs in its own server (vLLM): ask it
-            return await _proxy(request, app[UPSTREAM], upstream, req, kind, headers, ms, key)
+        if server is not None:                    # the version runs in its own server (vLLM): ask it
+            try:
+                return await _proxy(request, app[UPSTREAM], server.base, req, kind, headers, ms, key)
+            finally:
+                engine.release(server)
         try:
             tokenizer = engine.tokenizer(key)
             ids = prompt_ids(tokenizer, req)

@@ -10,7 +10,8 @@ tens of seconds); otherwise a new server starts. Sleep mode, vLLM's other in-pla
 on CPU. Either way the version is ready only once its golden prompts come back exact through vLLM's
 own OpenAI API (``ignore_eos``, greedy). vLLM documents an in-place reload as not transactional, so
 a failed check stops that server: the version fails, and no client ever gets mixed weights.
-Requests for a ready version are proxied to its server by the model server (``openai_base``).
+Requests for a ready version are proxied to its server by the model server, which holds the server
+busy meanwhile (``acquire``): a reload waits for the answers of the version before it to end.
 """
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ class Server:
     log: Path
     config: bytes                       # the config.json it was started with (an in-place reload needs the same)
     version: str | None = None          # the version it serves; None while idle
+    in_flight: int = 0                  # requests the model server is proxying to it now
 
     @property
     def base(self) -> str:
@@ -68,9 +70,10 @@ class Server:
 
 class VllmEngine:
     def __init__(self, workdir: Path, python: str | None = None, max_model_len: int = 256, dtype: str = "bfloat16",
-                 start_timeout_s: float = 900.0, kv_cache_tokens: int = KV_CACHE_TOKENS):
+                 start_timeout_s: float = 900.0, kv_cache_tokens: int = KV_CACHE_TOKENS, drain_timeout_s: float = 60.0):
         self.workdir, self.python = Path(workdir), python or vllm_python()
         self.max_model_len, self.dtype, self.start_timeout_s = max_model_len, dtype, start_timeout_s
+        self.drain_timeout_s = drain_timeout_s      # how long a reload waits for an idle server's last answers
         # the KV cache each server reserves (--kv-cache-memory-bytes), on top of the weights; at least one
         # whole context
         self.kv_cache_tokens = max(kv_cache_tokens, max_model_len)
@@ -91,7 +94,8 @@ class VllmEngine:
             pass                                     # every byte hashed; vLLM then reads the verified files
         t0 = time.monotonic()
         server = self.idle.pop(key.model, None)
-        if server is not None and server.config == config and server.proc.poll() is None:
+        if (server is not None and server.config == config and server.proc.poll() is None
+                and self._drained(server)):
             self._reload(server, model_dir, key)
             how = "in_place"
         else:
@@ -142,6 +146,15 @@ class VllmEngine:
         raise LoadError("engine_failed", f"vLLM did not answer within {self.start_timeout_s:.0f} s starting "
                                          f"{key.model} {key.version}; see {log}")
 
+    def _drained(self, server: Server) -> bool:
+        """Whether the answers still streaming from the server's previous version have ended (within
+        ``drain_timeout_s``). A reload under a live stream would hand that client tokens of two
+        versions; a server that stays busy is replaced by a cold start instead."""
+        deadline = time.monotonic() + self.drain_timeout_s
+        while server.in_flight and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return server.in_flight == 0
+
     def _reload(self, server: Server, model_dir: Path, key: VersionKey) -> None:
         try:
             server.post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(model_dir)}},
@@ -180,8 +193,18 @@ class VllmEngine:
         return server
 
     def openai_base(self, key: VersionKey) -> str:
-        """Where the version's own OpenAI API answers (the model server proxies to it)."""
+        """Where the version's own OpenAI API answers."""
         return self.server(key).base
+
+    def acquire(self, key: VersionKey) -> Server:
+        """The version's server, counted busy until ``release``: the model server holds it for each
+        request it proxies, so the server is never reloaded under a live answer. Raises VersionGone."""
+        server = self.server(key)
+        server.in_flight += 1
+        return server
+
+    def release(self, server: Server) -> None:
+        server.in_flight -= 1
 
     def generate(self, key: VersionKey, input_ids: list[int], max_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int | None = None) -> list[int]:

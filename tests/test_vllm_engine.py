@@ -68,6 +68,7 @@ async def test_vllm_serves_reloads_in_place_and_never_serves_what_fails_its_chec
                 model="llama", prompt=p["text"], max_tokens=len(p["output_ids"]), temperature=0, stream=True)
                 if c.choices]
             assert "".join(pieces) == want
+        assert engine.servers[VersionKey("llama", "v1")].in_flight == 0     # each proxied answer released it
         chat = await client.chat.completions.create(model="llama", max_tokens=6, temperature=0,
                                                     messages=[{"role": "user", "content": "What is a list?"}])
         assert chat.choices[0].message.content is not None
@@ -140,3 +141,21 @@ async def test_each_architecture_rolls_out_into_vllm_and_answers_the_openai_clie
         await client.close()
         await stack.stop()
     assert all(s.proc.poll() is not None for s in engine.servers.values())
+
+
+async def test_a_server_still_answering_is_never_reloaded_in_place(tmp_path, keys, hf_checkpoints):
+    """An idle server with an answer still streaming (held by the model server's proxy) is stopped and
+    a cold start tried instead: a reload under it would give that client tokens of two versions."""
+    import sys
+    from serving.vllm_engine import Server
+    src, golden = hf_checkpoints["llama"]
+    d = store_version(tmp_path, src, "llama", "v2", keys["private"], serving={"golden": golden})
+    engine = VllmEngine(tmp_path / "vllm", python=sys.executable, drain_timeout_s=0.3)   # no vLLM: cold fails
+    busy = Server("llama", 9, subprocess.Popen(["sleep", "60"]), tmp_path / "log", (src / "config.json").read_bytes(),
+                  in_flight=1)
+    engine.idle["llama"] = busy
+    ms = ModelServer("h1", engine=AutoEngine(hf=engine), store_root=store_root(tmp_path), admin_token="adm")
+    vs = await ms.load(("llama", "v2"), d)
+    assert vs.state == "failed" and vs.code == "engine_failed"
+    assert "in place" not in vs.reason and "starting llama v2" in vs.reason      # the cold start, not a reload
+    assert busy.proc.wait(timeout=10) is not None and not engine.idle
