@@ -53,7 +53,15 @@ class TrainConfig:
     # run's floating-point sums repeatable when the machine's load changes (MKL may otherwise use fewer)
     cpu_threads: int = 0
     seed: int = 0                    # model init
-    data_seed: int = 1234            # the synthetic language
+    data_seed: int = 1234            # the synthetic language; with ``data``, the order of the corpus's windows
+    # a text corpus (training/corpus.py): comma-separated globs of text files or JSON Lines with a "text"
+    # field; empty: the synthetic language
+    data: str = ""
+    # with data: a directory holding the model's tokenizer.json, or "train" (byte-level BPE trained on the
+    # corpus with model.vocab tokens)
+    tokenizer: str = ""
+    data_cache: str = ""             # tokenized corpora, by content hash (empty: ~/.cache/weightcast/tokens)
+    eval_fraction: float = 0.01      # with data: the tail of the tokens held out for the eval loss
     log_every: int = 10
     out: str = ""                    # where the result (losses, bytes) is written; empty: not written
 
@@ -89,6 +97,14 @@ class TrainConfig:
         for name in ("overlap", "rebalance"):
             if not isinstance(getattr(self, name), bool):
                 out.append(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.data, str) or not isinstance(self.tokenizer, str) or not isinstance(self.data_cache, str):
+            out.append("data, tokenizer and data_cache are strings")
+        elif self.data and not self.tokenizer:
+            out.append('data needs a tokenizer: a directory with tokenizer.json, or "train" to train one on the corpus')
+        elif self.tokenizer and not self.data:
+            out.append("tokenizer is for a text corpus: set data (globs of text or JSON Lines files) too")
+        if not isinstance(self.eval_fraction, (int, float)) or not 0 < self.eval_fraction <= 0.5:
+            out.append(f"eval_fraction is the held-out share of the corpus, in (0, 0.5], got {self.eval_fraction!r}")
         if not isinstance(self.outer_momentum, (int, float)) or not 0 <= self.outer_momentum < 1:
             out.append(f"outer_momentum must be in [0, 1), got {self.outer_momentum!r}")
         if out:

@@ -1,5 +1,6 @@
 """A synthetic language that a model can really learn, generated deterministically (no download), and
-the sampler whose position is part of the training state.
+the sampler whose position is part of the training state (over that language or a tokenized corpus,
+``training/corpus.py``).
 
 The language: a first-order Markov chain over the vocabulary in which every token has ``branch``
 likely successors (a random sparse transition table fixed by the data seed). Its entropy per token is
@@ -9,7 +10,9 @@ job continues at the next index, nothing is repeated or skipped.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -29,9 +32,9 @@ class Language:
         import math
         return math.log(self.branch)
 
-    def samples(self, start: int, count: int, seq_len: int, table: torch.Tensor | None = None) -> torch.Tensor:
+    def samples(self, start: int, count: int, seq_len: int) -> torch.Tensor:
         """Sequences ``start .. start+count-1``, shape (count, seq_len), each from its own generator."""
-        table = self.table() if table is None else table
+        table = _table(self)
         out = torch.empty(count, seq_len, dtype=torch.long)
         for j in range(count):
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + start + j)
@@ -43,17 +46,35 @@ class Language:
         return out
 
 
+    def held_out(self, count: int, seq_len: int) -> torch.Tensor:
+        """A fixed batch far beyond any step's samples: no step trains on it."""
+        return self.samples(1 << 40, count, seq_len)
+
+
+@functools.lru_cache(maxsize=4)
+def _table(language: Language) -> torch.Tensor:
+    return language.table()
+
+
+class Source(Protocol):
+    """Where samples come from: the synthetic ``Language`` or a tokenized corpus
+    (``training/corpus.py``'s ``TokenFile``). Sample ``i`` is a pure function of ``i``."""
+
+    def samples(self, start: int, count: int, seq_len: int) -> torch.Tensor: ...
+
+    def held_out(self, count: int, seq_len: int) -> torch.Tensor: ...
+
+    def entropy_floor(self) -> float | None: ...
+
+
 @dataclass
 class Sampler:
     """Which global samples each step takes: step s takes [s*B, (s+1)*B); data-parallel rank r of n takes
     its contiguous share. ``next_step`` is the training state that makes resumption exact."""
-    language: Language
+    source: Source
     global_batch: int
     seq_len: int
     next_step: int = 0
-
-    def __post_init__(self):
-        self._table = self.language.table()
 
     def shares(self, world: int) -> list[int]:
         base, extra = divmod(self.global_batch, world)
@@ -64,7 +85,7 @@ class Sampler:
         ``shares``: samples per data-parallel rank when rebalanced (they sum to the global batch)."""
         shares = shares or self.shares(world)
         start = self.next_step * self.global_batch + sum(shares[:rank])
-        return self.language.samples(start, shares[rank], self.seq_len, self._table)
+        return self.source.samples(start, shares[rank], self.seq_len)
 
     def advance(self) -> None:
         self.next_step += 1
@@ -74,3 +95,22 @@ class Sampler:
 
     def load_state_dict(self, d: dict) -> None:
         self.next_step = int(d["next_step"])
+
+
+def source_for(cfg) -> Source:
+    """The samples a TrainConfig trains on: its corpus, tokenized (cached), or the synthetic language.
+    Raises ConfigError (DataError) for a corpus that cannot be used."""
+    if not cfg.data:
+        return Language(cfg.model.vocab, cfg.data_seed)
+    from pathlib import Path
+
+    from training.corpus import DataError, prepare
+    cache = Path(cfg.data_cache) if cfg.data_cache else Path.home() / ".cache" / "weightcast" / "tokens"
+    tokens = prepare(cfg.data, cfg.tokenizer, cfg.model.vocab, cache, cfg.eval_fraction, cfg.data_seed)
+    if tokens.vocab > cfg.model.vocab:
+        raise DataError(f"the tokenizer has {tokens.vocab} tokens but model.vocab is {cfg.model.vocab}: "
+                        f"set model.vocab={tokens.vocab} or more")
+    if tokens.windows(cfg.seq_len) < cfg.global_batch:
+        raise DataError(f"the corpus has {tokens.windows(cfg.seq_len)} training windows of {cfg.seq_len} tokens, "
+                        f"fewer than one global batch ({cfg.global_batch}): add text")
+    return tokens

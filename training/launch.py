@@ -14,7 +14,7 @@ from pathlib import Path
 import torch.multiprocessing as mp
 
 from training.config import TrainConfig
-from training.data import Language
+from training.data import source_for
 from training.rank import leave, run_rank
 
 
@@ -48,6 +48,7 @@ def launch(cfg: TrainConfig, out_dir: Path | None = None, timeout_s: float | Non
     """Run the job to the end; raises ConfigError before any process starts if the config cannot run,
     and RanksHung (after dumping every rank's stacks) if it runs past ``timeout_s``."""
     cfg.check()
+    source = source_for(cfg)            # a corpus is tokenized (or found cached) before any rank starts
     work = Path(out_dir or tempfile.mkdtemp(prefix="wc-train-"))
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -71,7 +72,7 @@ def launch(cfg: TrainConfig, out_dir: Path | None = None, timeout_s: float | Non
     tokens = cfg.global_batch * (cfg.seq_len - 1)
     summary = {"layout": cfg.layout, "comm": cfg.comm, "world_size": cfg.world_size, "device": ranks[0]["device"],
                "steps": steps, "loss_first": loss[0], "loss_last": loss[-1],
-               "loss_floor": Language(cfg.model.vocab, cfg.data_seed).entropy_floor(),
+               "loss_floor": source.entropy_floor(),
                "losses": loss, "sent_bytes_per_step_per_rank": None if ranks[0]["sent_bytes"] is None else
                statistics.mean(statistics.mean(r["sent_bytes"][steady]) for r in ranks),
                "step_s": step_s, "step_s_median": statistics.median(step_s[steady]),

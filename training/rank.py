@@ -25,7 +25,7 @@ from training.checkpoint import Checkpointer, latest
 from training.control import agree
 from training.comm import HOOKS, CommState, OuterSync, reduce_after_backward
 from training.config import TrainConfig
-from training.data import Language, Sampler
+from training.data import Sampler, source_for
 from training.layouts import full_state_dict, placement, wrap
 from training.pipeline import Pipeline
 
@@ -48,7 +48,7 @@ def lm_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 def held_out_loss(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> float:
     """The loss of these weights on a fixed batch no step trains on: the same number for the same
     final weights however the run got there (interruptions, recoveries, world size)."""
-    ids = Language(cfg.model.vocab, cfg.data_seed).samples(1 << 40, cfg.global_batch, cfg.seq_len).to(device)
+    ids = source_for(cfg).held_out(cfg.global_batch, cfg.seq_len).to(device)
     return lm_loss(model, ids).item()
 
 
@@ -108,7 +108,7 @@ def run_rank(rank: int, cfg_dict: dict, out_dir: str, durable: dict | None = Non
     outer = (OuterSync(cfg.comm, core, state, cfg.outer_lr, cfg.outer_momentum)
              if cfg.comm in ("local_sgd", "diloco") and world > 1 else None)
     balancer = Balancer(cfg.global_batch, place.dp_size) if cfg.rebalance and world > 1 else None
-    sampler = Sampler(Language(cfg.model.vocab, cfg.data_seed), cfg.global_batch, cfg.seq_len)
+    sampler = Sampler(source_for(cfg), cfg.global_batch, cfg.seq_len)
     slowdown = cfg.slowdown(rank)
     ckpt, start, stalls = None, 0, []
     if durable:
