@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from serving.model import ModelConfig
+from training.models import FAMILIES
 
 LAYOUTS = ("single", "ddp", "fsdp", "tp", "pp", "fsdp_tp")
 COMMS = ("allreduce", "fp16", "int8_ef", "topk_ef", "powersgd", "local_sgd", "diloco")
@@ -26,6 +27,10 @@ class ConfigError(ValueError):
 class TrainConfig:
     model: ModelConfig = field(default_factory=lambda: ModelConfig(vocab=256, d_model=64, n_layers=2, n_heads=2,
                                                                    d_ff=128, max_seq=32))
+    # reference (weightcast's TinyTransformer) | llama | qwen2 | mistral (transformers models built from
+    # model.* sizes: vocab, d_model = hidden size, n_layers, n_heads, d_ff = intermediate size, max_seq)
+    family: str = "reference"
+    kv_heads: int = 0                # llama/qwen2/mistral: key/value heads (grouped-query attention); 0: n_heads
     # single | ddp | fsdp (FSDP2 fully_shard per block: params, grads, optimiser state sharded) |
     # tp (tensor parallel over all ranks) | pp (pipeline stages over all ranks) | fsdp_tp (2-D: data x tensor)
     layout: str = "ddp"
@@ -71,6 +76,13 @@ class TrainConfig:
         m = self.model
         if self.layout not in LAYOUTS:
             out.append(f"layout {self.layout!r} is not one of {', '.join(LAYOUTS)}")
+        if self.family not in FAMILIES:
+            out.append(f"family {self.family!r} is not one of {', '.join(FAMILIES)}")
+        if not isinstance(self.kv_heads, int) or isinstance(self.kv_heads, bool) or self.kv_heads < 0:
+            out.append(f"kv_heads must be an integer >= 0 (0: as many as model.n_heads), got {self.kv_heads!r}")
+        elif self.kv_heads and (self.family == "reference" or m.n_heads % self.kv_heads):
+            out.append(f"kv_heads={self.kv_heads} needs a llama/qwen2/mistral family and must divide "
+                       f"model.n_heads={m.n_heads}")
         if self.comm not in COMMS:
             out.append(f"comm {self.comm!r} is not one of {', '.join(COMMS)}")
         if self.optimizer not in OPTIMIZERS:
@@ -118,13 +130,17 @@ class TrainConfig:
             out.append(f"layout 'single' runs one process; world_size is {self.world_size}")
         tp = self.tensor_degree()
         if tp > 1:
-            for what, n in (("model.n_heads", m.n_heads), ("model.d_ff", m.d_ff)):
+            for what, n in (("model.n_heads", m.n_heads), ("model.d_ff", m.d_ff),
+                            *((("kv_heads", self.kv_heads),) if self.kv_heads else ())):
                 if n % tp:
                     out.append(f"tensor-parallel degree {tp} does not divide {what}={n} (each rank takes whole "
                                f"heads and an equal slice of the MLP); use a degree that divides it")
         if self.layout == "fsdp_tp" and self.world_size % self.tp_degree:
             out.append(f"world_size {self.world_size} is not divisible by tp_degree {self.tp_degree} "
                        "(the 2-D mesh is data x tensor)")
+        if self.layout == "pp" and self.family != "reference":
+            out.append(f"pp splits the reference model only; {self.family} trains with single, ddp, fsdp, tp "
+                       "or fsdp_tp")
         if self.layout == "pp":
             if self.world_size > m.n_layers:
                 out.append(f"pp puts at least one block on each stage: {self.world_size} stages need "

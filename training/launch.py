@@ -78,6 +78,7 @@ def launch(cfg: TrainConfig, out_dir: Path | None = None, timeout_s: float | Non
                "step_s": step_s, "step_s_median": statistics.median(step_s[steady]),
                "tokens_per_s": tokens / statistics.median(step_s[steady]),
                "samples_per_step_by_rank": [statistics.mean(r["samples"][steady]) for r in ranks],
+               "param_bytes_by_rank": [r["param_bytes"] for r in ranks],
                "wall_s": round(wall, 2), "out_dir": str(work),
                "config": cfg.to_dict()}
     if cfg.out:

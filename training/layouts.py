@@ -16,6 +16,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from training.config import TrainConfig
+from training.models import tp_plan
 
 
 @dataclass(frozen=True)
@@ -44,10 +45,10 @@ def mesh_for(cfg: TrainConfig, device: torch.device):
     return init_device_mesh(device.type, (cfg.world_size,), mesh_dim_names=(cfg.layout,))
 
 
-def tensor_parallel(model: torch.nn.Module, tp_mesh) -> None:
+def tensor_parallel(model: torch.nn.Module, tp_mesh, family: str = "reference") -> None:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-    plan = {"attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
-            "attn.wo": RowwiseParallel(), "ff.0": ColwiseParallel(), "ff.2": RowwiseParallel()}
+    kinds = {"col": ColwiseParallel, "row": RowwiseParallel}
+    plan = {name: kinds[kind]() for name, kind in tp_plan(family).items()}
     for block in model.blocks:
         parallelize_module(block, tp_mesh, plan)
 
@@ -72,10 +73,10 @@ def wrap(cfg: TrainConfig, model: torch.nn.Module, device: torch.device, comm_st
     if cfg.layout == "fsdp":
         shard_fully(model)
     elif cfg.layout == "tp":
-        tensor_parallel(model, mesh_for(cfg, device))
+        tensor_parallel(model, mesh_for(cfg, device), cfg.family)
     elif cfg.layout == "fsdp_tp":
         mesh = mesh_for(cfg, device)
-        tensor_parallel(model, mesh["tp"])
+        tensor_parallel(model, mesh["tp"], cfg.family)
         shard_fully(model, mesh["dp"])
     return model
 

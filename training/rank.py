@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from serving.model import init_model
+from training.models import build as build_model
 from training.balance import Balancer
 from training.checkpoint import Checkpointer, latest
 from training.control import agree
@@ -50,6 +50,15 @@ def held_out_loss(model: torch.nn.Module, cfg: TrainConfig, device: torch.device
     final weights however the run got there (interruptions, recoveries, world size)."""
     ids = source_for(cfg).held_out(cfg.global_batch, cfg.seq_len).to(device)
     return lm_loss(model, ids).item()
+
+
+def _local_bytes(model: torch.nn.Module) -> int:
+    """Bytes of parameters this rank holds: its shards under FSDP/TP, everything otherwise."""
+    total = 0
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p          # a DTensor's own shard
+        total += local.numel() * local.element_size()
+    return total
 
 
 def make_optimizer(cfg: TrainConfig, params) -> torch.optim.Optimizer:
@@ -98,7 +107,7 @@ def run_rank(rank: int, cfg_dict: dict, out_dir: str, durable: dict | None = Non
                                 init_method=init, **({"timeout": timeout} if timeout else {}))
     startup["group"] = time.time()
     place = placement(cfg, rank)
-    model = init_model(cfg.model, cfg.seed).train().to(device)     # the same initial weights on every rank
+    model = build_model(cfg.family, cfg.model, cfg.seed, cfg.kv_heads).train().to(device)   # same on every rank
     state = CommState(cfg.comm, place.dp_size, cfg.topk_ratio, cfg.powersgd_rank)
     pipe = Pipeline(cfg, model, rank, device) if cfg.layout == "pp" and world > 1 else None
     if pipe is None:
@@ -221,7 +230,8 @@ def run_rank(rank: int, cfg_dict: dict, out_dir: str, durable: dict | None = Non
     record = {"rank": rank, "device": str(device), "losses": losses if place.reports_loss else None,
               "sent_bytes": sent if counted else None, "step_s": step_s, "samples": samples,
               "rates": balancer.rates if balancer else None, "next_step": sampler.next_step,
-              "first_step": start, "save_stall_s": stalls, "held_out_loss": eval_loss, "paused": paused}
+              "first_step": start, "save_stall_s": stalls, "held_out_loss": eval_loss, "paused": paused,
+              "param_bytes": _local_bytes(core)}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(record))
     full = pipe.full_state_dict() if pipe else full_state_dict(model, cfg)   # a collective: every rank calls it
     if rank == 0:

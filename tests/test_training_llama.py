@@ -1,0 +1,55 @@
+"""Llama-family models (transformers' own Llama and Qwen2, grouped-query attention) trained through
+the real interface: every data-parallel and tensor-parallel layout matches one process over 20 steps,
+and each layout really splits the work (samples per rank, shards per rank)."""
+import pytest
+import torch
+
+from training.config import ConfigError, TrainConfig
+from training.launch import launch
+
+LLAMA = ["family=llama", "kv_heads=2", "model.vocab=128", "model.d_model=64", "model.n_heads=4", "model.d_ff=128",
+         "model.max_seq=16", "model.n_layers=2", "seq_len=16", "global_batch=8", "lr=1e-2", "steps=20"]
+
+
+@pytest.fixture(scope="module")
+def single_llama(tmp_path_factory):
+    d = tmp_path_factory.mktemp("single-llama")
+    res = launch(TrainConfig.load(None, [*LLAMA, "layout=single", "world_size=1", "cpu_threads=1"]), d / "run")
+    return res, torch.load(d / "run" / "model.pt")
+
+
+@pytest.mark.parametrize("overrides", [["layout=ddp"], ["layout=fsdp"], ["layout=tp"]], ids=lambda o: o[0])
+def test_llama_layouts_match_a_single_process(tmp_path, single_llama, overrides):
+    """fp32, the same tolerance as the reference model's layouts (1e-4: sums in another order, carried
+    by AdamW): every step's loss and every final parameter."""
+    single, a = single_llama
+    res = launch(TrainConfig.load(None, [*LLAMA, "world_size=2", "cpu_threads=1", *overrides]), tmp_path / "run",
+                 timeout_s=300)
+    b = torch.load(tmp_path / "run" / "model.pt")
+    assert set(a) == set(b) and any("self_attn.k_proj" in k for k in a)        # the transformers Llama
+    assert max(abs(x - y) for x, y in zip(single["losses"], res["losses"])) < 1e-4
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-4
+    assert single["losses"][-1] < single["losses"][0] - 0.3
+    whole = sum(v.numel() * v.element_size() for v in a.values())
+    assert single["param_bytes_by_rank"] == [whole]
+    held = res["param_bytes_by_rank"]
+    if overrides == ["layout=ddp"]:                   # each rank its half of the batch, gradients all-reduced
+        assert res["samples_per_step_by_rank"] == [4, 4] and res["sent_bytes_per_step_per_rank"] > 0
+        assert held == [whole, whole]                 # replicas
+    if overrides == ["layout=fsdp"]:                  # halves of the batch, every parameter sharded in two
+        assert res["samples_per_step_by_rank"] == [4, 4] and sum(held) == whole and max(held) <= whole // 2 + 1024
+    if overrides == ["layout=tp"]:                    # both ranks see the whole batch, each half of every block
+        assert res["samples_per_step_by_rank"] == [8, 8]
+        blocks = sum(v.numel() * v.element_size() for k, v in a.items() if ".layers." in k and "norm" not in k)
+        assert held[0] == held[1] == whole - blocks // 2
+
+
+def test_llama_configs_are_checked_before_any_process_starts():
+    with pytest.raises(ConfigError, match="kv_heads=3 needs"):
+        TrainConfig.load(None, [*LLAMA, "kv_heads=3"])
+    with pytest.raises(ConfigError, match="pp splits the reference model only"):
+        TrainConfig.load(None, [*LLAMA, "layout=pp"])
+    with pytest.raises(ConfigError, match="does not divide kv_heads"):
+        TrainConfig.load(None, [*LLAMA, "layout=tp", "world_size=4", "kv_heads=2", "model.n_heads=4"])
+    with pytest.raises(ConfigError, match="family 'gpt5'"):
+        TrainConfig.load(None, [*LLAMA, "family=gpt5"])
