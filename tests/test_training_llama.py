@@ -53,3 +53,46 @@ def test_llama_configs_are_checked_before_any_process_starts():
         TrainConfig.load(None, [*LLAMA, "layout=tp", "world_size=4", "kv_heads=2", "model.n_heads=4"])
     with pytest.raises(ConfigError, match="family 'gpt5'"):
         TrainConfig.load(None, [*LLAMA, "family=gpt5"])
+
+
+def test_a_trained_llama_exports_a_directory_transformers_loads_unchanged(tmp_path):
+    """Trained on the standard library's sources with its own tokenizer, exported as bf16 shards +
+    index + tokenizer: AutoModelForCausalLM and AutoTokenizer load it, and its logits are the trained
+    weights' in bf16 (the export's precision: the trainer's fp32 weights rounded once) within bf16's
+    rounding, the same top token everywhere."""
+    import json
+    import sysconfig
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from training.export import export_hf
+    from training.models import build
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    cfg = TrainConfig.load(None, [*LLAMA, "layout=single", "world_size=1", "model.vocab=512", "model.max_seq=32",
+                                  "seq_len=32", f"data={stdlib}/json/*.py", "tokenizer=train",
+                                  f"data_cache={tmp_path / 'cache'}"])
+    res = launch(cfg, tmp_path / "run")
+    assert res["losses"][-1] < res["losses"][0] - 0.3
+    model = build(cfg.family, cfg.model, cfg.seed, cfg.kv_heads)
+    model.load_state_dict(torch.load(tmp_path / "run" / "model.pt"))
+    ids = torch.tensor([[5, 17, 42, 99, 7, 300]])
+    with torch.no_grad():
+        want = model.to(torch.bfloat16)(ids).float()
+    model = build(cfg.family, cfg.model, cfg.seed, cfg.kv_heads)
+    model.load_state_dict(torch.load(tmp_path / "run" / "model.pt"))
+    out = export_hf(model, cfg, tmp_path / "export", max_shard_size="100KB")
+    names = {p.name for p in out.iterdir()}
+    assert {"config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json",
+            "tokenizer_config.json"} <= names and sum(n.endswith(".safetensors") for n in names) > 1
+    assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    assert next(loaded.parameters()).dtype == torch.bfloat16
+    with torch.no_grad():
+        got = loaded(input_ids=ids).logits.float()
+    # bf16 both ways; the rotary tables differ in rounding (computed in fp32 on load, cast down here)
+    assert (got - want).abs().max().item() < 0.05 * want.abs().max().item(), (got - want).abs().max()
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    tok = AutoTokenizer.from_pretrained(out)
+    text = (stdlib / "json" / "decoder.py").read_text()[:200]
+    assert tok.decode(tok(text).input_ids) == text and tok.eos_token == "<|endoftext|>"
