@@ -87,19 +87,24 @@ def test_compressed_methods_learn_and_send_fewer_bytes(tmp_path, comm, ratio_to_
     assert ratio == pytest.approx(ratio_to_allreduce, rel=0.05), ratio   # counted at the process group, per step
 
 
-def test_the_sampler_neither_repeats_nor_skips_across_a_resume():
-    lang = Language(64, seed=5)
-    whole = lang.samples(0, 4 * 6, 12)
-    s = Sampler(lang, global_batch=6, seq_len=12)
+def assert_resumes_exactly(source, seq_len: int, world: int) -> None:
+    """4 steps of 6 samples split over ``world`` ranks, checkpointed and resumed in a new sampler after
+    step 2, take exactly samples 0..23 in order."""
+    whole = source.samples(0, 4 * 6, seq_len)
+    s = Sampler(source, global_batch=6, seq_len=seq_len)
     seen = []
     for step in range(4):
         if step == 2:                                  # checkpoint and resume in a new sampler
             state = s.state_dict()
-            s = Sampler(lang, global_batch=6, seq_len=12)
+            s = Sampler(source, global_batch=6, seq_len=seq_len)
             s.load_state_dict(state)
-        seen += [s.batch(r, 3) for r in range(3)]
+        seen += [s.batch(r, world) for r in range(world)]
         s.advance()
     assert torch.equal(torch.cat(seen), whole)
+
+
+def test_the_sampler_neither_repeats_nor_skips_across_a_resume():
+    assert_resumes_exactly(Language(64, seed=5), 12, 3)
 
 
 def test_bad_configs_are_refused_before_any_process_starts(tmp_path, capsys):

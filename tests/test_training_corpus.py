@@ -11,7 +11,7 @@ import torch
 
 from training.config import ConfigError, TrainConfig
 from training.corpus import DataError, prepare
-from training.data import Sampler
+from tests.test_training import assert_resumes_exactly
 from training.launch import launch
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -37,17 +37,7 @@ def test_a_corpus_is_tokenized_once_and_read_back_from_the_cache(tmp_path):
 
 def test_samples_resume_exactly_and_never_touch_the_held_out_tail(tmp_path):
     tokens = prepare(CORPUS, "train", 512, tmp_path, 0.05, data_seed=3)
-    whole = tokens.samples(0, 4 * 6, 16)
-    s = Sampler(tokens, global_batch=6, seq_len=16)
-    seen = []
-    for step in range(4):
-        if step == 2:
-            state = s.state_dict()
-            s = Sampler(tokens, global_batch=6, seq_len=16)
-            s.load_state_dict(state)
-        seen += [s.batch(r, 2) for r in range(2)]
-        s.advance()
-    assert torch.equal(torch.cat(seen), whole)
+    assert_resumes_exactly(tokens, 16, 2)
     # an epoch is every training window once, in a seeded order, none from the held-out tail
     n = tokens.windows(16)
     epoch = tokens.samples(0, n, 16)
