@@ -81,7 +81,7 @@ def run_engine_bench(engine_name: EngineName = "vllm", workdir: Path | None = No
         if hasattr(engine, "stop_all"):
             engine.stop_all()
         return {"engine": engine_name, "model": "llama (serving/hf_build.py TINY, bf16)", "bytes": nbytes,
-                "cold_start_s": round(cold, 3), "reload_s": round(reload_s, 3), "reload_how": how,
+                "cold_start_s": round(cold, 4), "reload_s": round(reload_s, 4), "reload_how": how,
                 "reload_over_cold": round(reload_s / cold, 4), "golden_ok": True,
                 "reload_includes": "hash of every byte against the manifest + weights into the engine + golden prompts"}
     finally:

@@ -215,7 +215,7 @@ def test_bench_engine_reports_a_verified_reload_against_a_cold_start(capsys):
     assert main(["bench", "engine", "--engine", "transformers", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["golden_ok"] and r["cold_start_s"] > 0 and r["reload_s"] > 0
-    assert r["reload_over_cold"] == pytest.approx(r["reload_s"] / r["cold_start_s"], rel=0.01, abs=1e-3)
+    assert r["reload_over_cold"] == pytest.approx(r["reload_s"] / r["cold_start_s"], rel=0.02, abs=1e-3)
 
 
 def test_bench_router_times_the_first_token_on_both_paths(capsys):

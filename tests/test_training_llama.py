@@ -96,3 +96,56 @@ def test_a_trained_llama_exports_a_directory_transformers_loads_unchanged(tmp_pa
     tok = AutoTokenizer.from_pretrained(out)
     text = (stdlib / "json" / "decoder.py").read_text()[:200]
     assert tok.decode(tok(text).input_ids) == text and tok.eos_token == "<|endoftext|>"
+
+
+def test_bf16_layouts_stay_as_close_to_fp32_as_bf16_itself(tmp_path, single_llama):
+    """bf16 forward, fp32 master weights and gradients (FSDP2's MixedPrecisionPolicy, autocast
+    elsewhere). The tolerance: a layout reorders bf16 sums, whose rounding is what separates bf16 from
+    fp32 in the first place, so a layout in bf16 may be as far from the fp32 run as one bf16 process
+    is, with a margin: 1.6× that distance, measured in the same test (over 20 AdamW steps at lr 1e-2:
+    ~0.08 on losses and ~0.09 on parameters; layouts measured at 1.0–1.3×)."""
+    single, a = single_llama
+    ref = launch(TrainConfig.load(None, [*LLAMA, "layout=single", "world_size=1", "cpu_threads=1",
+                                         "precision=bf16"]), tmp_path / "bf16")
+    a16 = torch.load(tmp_path / "bf16" / "model.pt")
+
+    def gap(res, b):
+        return (max(abs(x - y) for x, y in zip(single["losses"], res["losses"])),
+                max((a[k] - b[k]).abs().max().item() for k in a))
+    bound = [1.6 * g for g in gap(ref, a16)]
+    assert bound[0] > 1e-3                                 # bf16 really ran: it is not fp32
+    for layout in ("ddp", "fsdp", "tp"):
+        res = launch(TrainConfig.load(None, [*LLAMA, f"layout={layout}", "world_size=2", "cpu_threads=1",
+                                             "precision=bf16"]), tmp_path / layout)
+        got = gap(res, torch.load(tmp_path / layout / "model.pt"))
+        assert got[0] <= bound[0] and got[1] <= bound[1], (layout, got, bound)
+        assert res["losses"][-1] < res["losses"][0] - 0.3
+
+
+@pytest.mark.parametrize("layout", ["ddp", "fsdp", "tp"])
+def test_gradient_clipping_bounds_every_step_over_all_shards(tmp_path, layout):
+    """SGD at lr 0.1 with the gradients' global norm clipped to 0.01: each step moves the weights by at
+    most 0.001 in L2 norm, whatever the layout shards; unclipped they move ~100× more."""
+    from training.models import build
+    cfg = TrainConfig.load(None, [*LLAMA, f"layout={layout}", "world_size=2", "optimizer=sgd", "lr=0.1",
+                                  "steps=3", "grad_clip=0.01"])
+    launch(cfg, tmp_path / "clip")
+    start = build(cfg.family, cfg.model, cfg.seed, cfg.kv_heads).state_dict()
+    end = torch.load(tmp_path / "clip" / "model.pt")
+    moved = sum(((end[k] - start[k]) ** 2).sum() for k in end).sqrt().item()
+    assert 0 < moved <= 3 * 0.1 * 0.01 * 1.001
+
+
+def test_the_learning_rate_warms_up_then_follows_a_cosine():
+    from training.step_controls import lr_at
+    cfg = TrainConfig.load(None, [*LLAMA, "steps=100", "lr=1e-3", "warmup_steps=10", "schedule=cosine",
+                                  "min_lr_ratio=0.1"])
+    lrs = [lr_at(cfg, s) for s in range(100)]
+    assert lrs[0] == pytest.approx(1e-4) and lrs[9] == pytest.approx(1e-3)          # linear warm-up
+    assert lrs[10] == pytest.approx(1e-3) and lrs[99] == pytest.approx(1e-4)        # cosine down to 0.1 × lr
+    assert all(x >= y for x, y in zip(lrs[10:], lrs[11:]))
+    assert lrs[10 + 89 // 2] == pytest.approx(5.5e-4, rel=0.02)                      # half way: the mean
+    flat = TrainConfig.load(None, [*LLAMA, "lr=1e-3"])
+    assert {lr_at(flat, s) for s in range(20)} == {1e-3}
+    with pytest.raises(ConfigError, match="grad_clip needs the norm over every stage"):
+        TrainConfig.load(None, [*LLAMA, "family=reference", "kv_heads=0", "layout=pp", "grad_clip=1"])

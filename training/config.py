@@ -17,6 +17,8 @@ COMMS = ("allreduce", "fp16", "int8_ef", "topk_ef", "powersgd", "local_sgd", "di
 PP_SCHEDULES = ("gpipe", "1f1b")
 DATA_PARALLEL = ("ddp", "fsdp", "fsdp_tp")
 OPTIMIZERS = ("adamw", "sgd")
+SCHEDULES = ("constant", "cosine")
+PRECISIONS = ("fp32", "bf16")
 
 
 class ConfigError(ValueError):
@@ -43,6 +45,11 @@ class TrainConfig:
     steps: int = 50
     optimizer: str = "adamw"
     lr: float = 3e-3
+    warmup_steps: int = 0            # linear warm-up to lr over these steps
+    schedule: str = "constant"       # after warm-up: constant | cosine (down to min_lr_ratio x lr at the last step)
+    min_lr_ratio: float = 0.1        # cosine: the final learning rate as a fraction of lr
+    grad_clip: float = 0.0           # clip the gradients' global L2 norm to this (0: no clipping)
+    precision: str = "fp32"          # fp32 | bf16 (bf16 forward, fp32 master weights and gradients)
     weight_decay: float = 0.0
     comm: str = "allreduce"          # allreduce | fp16 | int8_ef | topk_ef | powersgd | local_sgd | diloco
     bucket_mb: float = 25.0          # DDP gradient bucket size
@@ -85,6 +92,19 @@ class TrainConfig:
                        f"model.n_heads={m.n_heads}")
         if self.comm not in COMMS:
             out.append(f"comm {self.comm!r} is not one of {', '.join(COMMS)}")
+        if self.schedule not in SCHEDULES:
+            out.append(f"schedule {self.schedule!r} is not one of {', '.join(SCHEDULES)}")
+        if self.precision not in PRECISIONS:
+            out.append(f"precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
+        if not isinstance(self.warmup_steps, int) or isinstance(self.warmup_steps, bool) or self.warmup_steps < 0:
+            out.append(f"warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
+        if not isinstance(self.min_lr_ratio, (int, float)) or not 0 <= self.min_lr_ratio <= 1:
+            out.append(f"min_lr_ratio is a fraction of lr in [0, 1], got {self.min_lr_ratio!r}")
+        if not isinstance(self.grad_clip, (int, float)) or isinstance(self.grad_clip, bool) or self.grad_clip < 0:
+            out.append(f"grad_clip is a norm >= 0 (0: off), got {self.grad_clip!r}")
+        elif self.grad_clip and self.layout == "pp":
+            out.append("grad_clip needs the norm over every stage's gradients, which pp does not gather: "
+                       "use another layout or grad_clip=0")
         if self.optimizer not in OPTIMIZERS:
             out.append(f"optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
         ints = {"world_size": (1, 1024), "global_batch": (1, 1 << 20), "seq_len": (2, 1 << 16), "steps": (1, 1 << 30),

@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from training.config import TrainConfig
 from training.models import tp_plan
+from training.step_controls import fsdp_policy
 
 
 @dataclass(frozen=True)
@@ -53,13 +54,15 @@ def tensor_parallel(model: torch.nn.Module, tp_mesh, family: str = "reference") 
         parallelize_module(block, tp_mesh, plan)
 
 
-def shard_fully(model: torch.nn.Module, dp_mesh=None) -> None:
+def shard_fully(model: torch.nn.Module, dp_mesh=None, mp_policy=None) -> None:
     """FSDP2 (ZeRO-3): each transformer block is one unit whose parameters, gradients and optimiser
-    state are sharded over the data-parallel ranks and gathered only around its own forward and backward."""
-    from torch.distributed.fsdp import fully_shard
+    state are sharded over the data-parallel ranks and gathered only around its own forward and backward
+    (in bf16 with ``mp_policy``)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    policy = mp_policy or MixedPrecisionPolicy()
     for block in model.blocks:
-        fully_shard(block, mesh=dp_mesh)
-    fully_shard(model, mesh=dp_mesh)
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy)
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy)
 
 
 def wrap(cfg: TrainConfig, model: torch.nn.Module, device: torch.device, comm_state, hook) -> torch.nn.Module:
@@ -71,13 +74,13 @@ def wrap(cfg: TrainConfig, model: torch.nn.Module, device: torch.device, comm_st
         ddp.register_comm_hook(comm_state, hook)
         return ddp
     if cfg.layout == "fsdp":
-        shard_fully(model)
+        shard_fully(model, mp_policy=fsdp_policy(cfg))
     elif cfg.layout == "tp":
         tensor_parallel(model, mesh_for(cfg, device), cfg.family)
     elif cfg.layout == "fsdp_tp":
         mesh = mesh_for(cfg, device)
         tensor_parallel(model, mesh["tp"], cfg.family)
-        shard_fully(model, mesh["dp"])
+        shard_fully(model, mesh["dp"], fsdp_policy(cfg))
     return model
 
 

@@ -44,7 +44,7 @@ class Stage(nn.Module):
 
 
 def _lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1))
 
 
 class Pipeline:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from training.models import build as build_model
+from training.step_controls import clip_gradients, forward_precision, lr_at, set_lr
 from training.balance import Balancer
 from training.checkpoint import Checkpointer, latest
 from training.control import agree
@@ -40,7 +41,7 @@ def device_for(rank: int) -> torch.device:
 
 
 def lm_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    logits = model(ids[:, :-1])
+    logits = model(ids[:, :-1]).float()                  # the loss in fp32 whatever the forward ran in
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
 
@@ -167,10 +168,11 @@ def run_rank(rank: int, cfg_dict: dict, out_dir: str, durable: dict | None = Non
         ids = sampler.batch(place.dp_rank, place.dp_size, shares).to(device)
         opt.zero_grad(set_to_none=True)
         if pipe is not None:
-            loss = pipe.step(ids)
+            with forward_precision(cfg, device):
+                loss = pipe.step(ids)
         else:
             # overlap=false: DDP decides at forward time whether backward reduces, so no_sync covers both
-            with contextlib.nullcontext() if cfg.overlap else model.no_sync():
+            with contextlib.nullcontext() if cfg.overlap else model.no_sync(), forward_precision(cfg, device):
                 loss_t = lm_loss(model, ids)
             mean_loss = loss_t.detach()                          # this share's mean, reported unweighted
             t_fwd = time.perf_counter() - t0                      # making the share and its forward
@@ -189,6 +191,9 @@ def run_rank(rank: int, cfg_dict: dict, out_dir: str, durable: dict | None = Non
             loss = mean_loss.item()
         if ckpt is not None and ckpt.staging is not None:   # a background save's copy must be done first
             stalls[-1] += ckpt.before_update()
+        if cfg.grad_clip:
+            clip_gradients(list(core.parameters()), cfg.grad_clip)
+        set_lr(opt, lr_at(cfg, step))
         opt.step()
         if outer and (step + 1) % cfg.sync_every == 0:
             outer.sync()
