@@ -134,10 +134,17 @@ def test_train_run_through_the_cli(tmp_path, capsys):
     cfg = tmp_path / "c.toml"
     cfg.write_text('layout = "ddp"\nworld_size = 2\nsteps = 6\ncomm = "int8_ef"\n[model]\nvocab = 64\nd_model = 32\n'
                    'n_heads = 2\nd_ff = 64\nmax_seq = 16\n')
-    assert main(["train", "run", str(cfg), "--set", "seq_len=16", "--set", "global_batch=4", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
+    assert main(["train", "run", str(cfg), "--set", "seq_len=16", "--set", "global_batch=4", "--set", "log_every=2",
+                 "--json"]) == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
     assert out["comm"] == "int8_ef" and out["world_size"] == 2 and out["steps"] == 6
     assert out["sent_bytes_per_step_per_rank"] > 0 and out["tokens_per_s"] > 0
+    # live progress while it ran: every log_every steps, with the loss the run reports for that step
+    lines = [line for line in captured.err.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in lines] == ["2/6", "4/6", "6/6"], captured.err
+    assert all("tokens/s" in line and "ETA" in line for line in lines)
+    assert "ETA 0 s" in lines[-1]
 
 
 def test_bench_allreduce_runs_every_method_on_a_rate_limited_link(capsys):

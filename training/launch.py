@@ -8,6 +8,7 @@ import os
 import signal
 import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -29,6 +30,37 @@ def _spawned_rank(rank: int, cfg_dict: dict, out_dir: str) -> None:
     leave(alive)
 
 
+class _ProgressWatcher:
+    """Follows the progress lines a rank appends after each step, handing each to ``fn`` in order."""
+
+    def __init__(self, path: Path, fn, every_s: float = 0.2):
+        self.path, self.fn, self.every_s, self.offset = path, fn, every_s, 0
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="train-progress", daemon=True)
+        self.thread.start()
+
+    def _poll(self) -> None:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:                 # no step finished yet
+            return
+        complete = data[:data.rfind(b"\n") + 1]  # a line being written is read next time
+        self.offset += len(complete)
+        for line in complete.splitlines():
+            self.fn(json.loads(line))
+
+    def _run(self) -> None:
+        while not self.done.wait(self.every_s):
+            self._poll()
+
+    def stop(self) -> None:
+        self.done.set()
+        self.thread.join()
+        self._poll()                              # the last step, if it came after the last poll
+
+
 def _join(ctx, timeout_s: float | None) -> None:
     """Wait for every rank; past ``timeout_s`` ask each for its stacks (SIGUSR1), then end them."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -44,21 +76,29 @@ def _join(ctx, timeout_s: float | None) -> None:
             raise RanksHung(f"ranks (pids {pids}) still running after {timeout_s:.0f} s; their stacks are on stderr")
 
 
-def launch(cfg: TrainConfig, out_dir: Path | None = None, timeout_s: float | None = None) -> dict:
+def launch(cfg: TrainConfig, out_dir: Path | None = None, timeout_s: float | None = None,
+           progress=None) -> dict:
     """Run the job to the end; raises ConfigError before any process starts if the config cannot run,
-    and RanksHung (after dumping every rank's stacks) if it runs past ``timeout_s``."""
+    and RanksHung (after dumping every rank's stacks) if it runs past ``timeout_s``. ``progress(update)``
+    is called from a watcher thread with each new ``{step, loss, step_s, t}`` a rank reports."""
     cfg.check()
     source = source_for(cfg)            # a corpus is tokenized (or found cached) before any rank starts
     work = Path(out_dir or tempfile.mkdtemp(prefix="wc-train-"))
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     (work / "rendezvous").unlink(missing_ok=True)       # a FileStore must start from no file
-    if cfg.world_size == 1:
-        run_rank(0, cfg.to_dict(), str(work))
-    else:
-        ctx = mp.start_processes(_spawned_rank, args=(cfg.to_dict(), str(work)), nprocs=cfg.world_size,
-                                 start_method="spawn", join=False)
-        _join(ctx, timeout_s)
+    (work / "progress.jsonl").unlink(missing_ok=True)
+    watcher = _ProgressWatcher(work / "progress.jsonl", progress) if progress else None
+    try:
+        if cfg.world_size == 1:
+            run_rank(0, cfg.to_dict(), str(work))
+        else:
+            ctx = mp.start_processes(_spawned_rank, args=(cfg.to_dict(), str(work)), nprocs=cfg.world_size,
+                                     start_method="spawn", join=False)
+            _join(ctx, timeout_s)
+    finally:
+        if watcher:
+            watcher.stop()
     wall = time.perf_counter() - t0
     ranks = [json.loads((work / f"rank{r}.json").read_text()) for r in range(cfg.world_size)]
     steps = cfg.steps

@@ -204,6 +204,9 @@ def run_rank(rank: int, cfg_dict: dict, out_dir: str, durable: dict | None = Non
             torch.cuda.synchronize(device)
         step_s.append(time.perf_counter() - t0)
         losses.append(loss)
+        if not durable and loss is not None and rank == (world - 1 if cfg.layout == "pp" else 0):
+            with open(Path(out_dir, "progress.jsonl"), "a") as f:     # one line a step, for launch's watcher
+                f.write(json.dumps({"step": step + 1, "loss": loss, "step_s": step_s[-1], "t": time.time()}) + "\n")
         sent.append(state.sent_bytes - before)
         samples.append(mine)
         if durable:

@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+import statistics
 import sys
 import threading
 import time
@@ -138,8 +139,19 @@ def cmd_train_run(a) -> int:
     from training.config import TrainConfig
     from training.launch import launch
     cfg = TrainConfig.load(a.config, a.set)           # ConfigError (exit 2) before any process starts
-    print(f"training: {cfg.layout} x{cfg.world_size}, comm {cfg.comm}, {cfg.steps} steps", file=sys.stderr)
-    res = launch(cfg)
+    print(f"training: {cfg.family} {cfg.layout} x{cfg.world_size}, comm {cfg.comm}, {cfg.steps} steps",
+          file=sys.stderr)
+    tokens = cfg.global_batch * (cfg.seq_len - 1)
+    recent: list[float] = []
+
+    def show(u: dict) -> None:                      # every log_every steps, and the last
+        recent[:] = [*recent[-9:], u["step_s"]]
+        if u["step"] % cfg.log_every and u["step"] != cfg.steps:
+            return
+        step_s = statistics.median(recent)
+        print(f"step {u['step']}/{cfg.steps}  loss {u['loss']:.4f}  {tokens / step_s:,.0f} tokens/s  "
+              f"ETA {(cfg.steps - u['step']) * step_s:.0f} s", file=sys.stderr, flush=True)
+    res = launch(cfg, progress=show)
     print(json.dumps(res if a.full else {k: v for k, v in res.items() if k not in ("losses", "step_s", "config")},
                      indent=None if a.json else 1))
     return 0
