@@ -59,6 +59,7 @@ def _plain_vllm_cold_start(engine, model_dir: Path) -> float:
 def run_engine_bench(engine_name: EngineName = "vllm", workdir: Path | None = None) -> dict:
     work = Path(workdir or tempfile.mkdtemp(prefix="wc-engine-"))
     key = Ed25519PrivateKey.generate()
+    engine = None
     try:
         dirs = {v: stored_version(hf_build.build("llama", work / f"src-{v}", seed=i), work / "store", v, key)
                 for i, v in enumerate(("v1", "v2"))}
@@ -78,12 +79,12 @@ def run_engine_bench(engine_name: EngineName = "vllm", workdir: Path | None = No
         nbytes = engine.load(VersionKey("bench", "v2"), dirs["v2"], None, 0)   # raises if golden prompts fail
         reload_s = time.monotonic() - t0
         how = getattr(engine, "last_load", {}).get("how", "in_process")
-        if hasattr(engine, "stop_all"):
-            engine.stop_all()
         return {"engine": engine_name, "model": "llama (serving/hf_build.py TINY, bf16)", "bytes": nbytes,
                 "cold_start_s": round(cold, 4), "reload_s": round(reload_s, 4), "reload_how": how,
                 "reload_over_cold": round(reload_s / cold, 4), "golden_ok": True,
                 "reload_includes": "hash of every byte against the manifest + weights into the engine + golden prompts"}
     finally:
+        if hasattr(engine, "stop_all"):           # vLLM servers go with the benchmark, however it ends
+            engine.stop_all()
         if workdir is None:
             shutil.rmtree(work, ignore_errors=True)

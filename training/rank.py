@@ -46,10 +46,10 @@ def lm_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def held_out_loss(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> float:
+def held_out_loss(model: torch.nn.Module, cfg: TrainConfig, device: torch.device, source=None) -> float:
     """The loss of these weights on a fixed batch no step trains on: the same number for the same
     final weights however the run got there (interruptions, recoveries, world size)."""
-    ids = source_for(cfg).held_out(cfg.global_batch, cfg.seq_len).to(device)
+    ids = (source or source_for(cfg)).held_out(cfg.global_batch, cfg.seq_len).to(device)
     return lm_loss(model, ids).item()
 
 
@@ -232,7 +232,7 @@ def run_rank(rank: int, cfg_dict: dict, out_dir: str, durable: dict | None = Non
         ckpt.save(sampler.next_step, train_state(), asynchronous=False)
         ckpt.wait()                         # and marked complete (every rank's digests merged)
         if pipe is None and not paused:
-            eval_loss = held_out_loss(core, cfg, device)
+            eval_loss = held_out_loss(core, cfg, device, sampler.source)   # the corpus is not hashed again
     # DDP hooks count every byte of gradient traffic; FSDP/TP/PP collectives are torch's own
     counted = cfg.layout == "ddp" or world == 1
     record = {"rank": rank, "device": str(device), "losses": losses if place.reports_loss else None,
