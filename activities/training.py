@@ -20,9 +20,15 @@ import aiohttp
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+import torch
+
 from training.archive_sync import Archiver
 from training.checkpoint_swarm import CheckpointSwarm
+from training.config import TrainConfig
 from training.control import Control, write
+from training.flops import flops_per_token, matmul_peak, model_parallel_degree
+from training.metrics import TrainingMetrics
+from training.rank import device_for
 from lib.processes import last_lines
 from workflows.training_types import (ExportInput, RunControl, TrainRankInput, TrainRankResult, host_checkpoint_dir,
                                       node_local)
@@ -30,10 +36,13 @@ from workflows.training_types import (ExportInput, RunControl, TrainRankInput, T
 
 class TrainingActivities:
     def __init__(self, host_id: str, work: Path, advertise_host: str = "127.0.0.1", poll_s: float = 0.5,
-                 warm: bool = True, peerd: str = "", token: str = "", store: Path | None = None):
+                 warm: bool = True, peerd: str = "", token: str = "", store: Path | None = None,
+                 registry=None):
         self.host_id, self.work, self.advertise, self.poll_s, self.warm = host_id, work, advertise_host, poll_s, warm
         self.peerd, self.token, self.store = peerd, token, store      # node-local checkpoints move through peerd
         self._ready: asyncio.subprocess.Process | None = None     # a rank process with torch imported, waiting
+        self.metrics = TrainingMetrics(registry) if registry is not None else None
+        self._peaks: dict[int, float] = {}     # measured matmul FLOP/s by thread count (the MFU bound)
 
     async def _rank_process(self, spec: Path, log: Path) -> asyncio.subprocess.Process:
         """A warm process if one is ready (then another is started for next time), else a fresh one."""
@@ -80,6 +89,8 @@ class TrainingActivities:
             fetched = await _beating(swarm.restore_newest(), lambda: {"restoring": True}, self.poll_s)
         if archiver:
             await archiver.restore_if_newer()
+        cfg = TrainConfig.from_dict(inp.config)
+        speed = (flops_per_token(cfg) / model_parallel_degree(cfg), await self._peak(cfg))   # a rank's share
         proc = await self._rank_process(spec, d / "rank.log")
         try:
             while True:
@@ -87,7 +98,9 @@ class TrainingActivities:
                     await asyncio.wait_for(proc.wait(), timeout=self.poll_s)
                     break
                 except asyncio.TimeoutError:
-                    beat = _compact(progress, proc.pid)
+                    beat = _compact(progress, proc.pid, *speed)
+                    if self.metrics:
+                        self.metrics.observe(inp.run, inp.rank, beat)
                     if swarm:
                         swarm.replicate_soon()
                         beat["replicated"] = swarm.replicated
@@ -123,8 +136,20 @@ class TrainingActivities:
                                    {"signal": signal.Signals(-proc.returncode).name if proc.returncode < 0 else None},
                                    type="RankFailed", non_retryable=True)
         rec = json.loads((d / f"rank{inp.rank}.json").read_text())
+        if self.metrics:
+            self.metrics.observe(inp.run, inp.rank, {**_compact(progress, proc.pid, *speed),
+                                                     "eval_loss": rec["held_out_loss"]})
         return TrainRankResult(inp.rank, rec["next_step"], rec["first_step"], rec["held_out_loss"], rec["save_stall_s"],
                                rec["paused"], fetched)
+
+    async def _peak(self, cfg) -> float:
+        """This host's matmul peak with the threads one rank uses, measured once (before any rank of
+        this worker loads the cores) and kept."""
+        threads = cfg.cpu_threads or max(1, (os.cpu_count() or 1) // cfg.world_size)
+        if threads not in self._peaks:
+            dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
+            self._peaks[threads] = await asyncio.to_thread(matmul_peak, device_for(0), dtype, threads, 0.3)
+        return self._peaks[threads]
 
     @activity.defn(name="set_run_control")
     async def set_run_control(self, inp: RunControl) -> None:
@@ -161,14 +186,19 @@ async def _beating(work, beat, every_s: float):
         task.cancel()
 
 
-def _compact(progress: Path, pid: int) -> dict:
+def _compact(progress: Path, pid: int, flops_per_token: float = 0.0, peak: float = 0.0) -> dict:
+    """The heartbeat: the rank's progress, with its speed (tokens/s, MFU against ``peak``)."""
     try:
         p = json.loads(progress.read_text())
     except (OSError, ValueError):
         return {"pid": pid, "step": None}
+    tokens_per_s = p["tokens"] / p["step_s"] if p.get("tokens") and p.get("step_s") else None
     return {"pid": pid, "step": p["step"], "loss": None if p["loss"] is None else round(p["loss"], 5),
             "step_s": None if p["step_s"] is None else round(p["step_s"], 4),
-            "last_checkpoint": p["last_checkpoint"], "first_step": p["first_step"]}
+            "last_checkpoint": p["last_checkpoint"], "first_step": p["first_step"],
+            "tokens_per_s": None if tokens_per_s is None else round(tokens_per_s, 1),
+            "mfu": round(tokens_per_s * flops_per_token / peak, 4) if tokens_per_s and peak else None,
+            "comm_fraction": None if p.get("comm_fraction") is None else round(p["comm_fraction"], 4)}
 
 
 def _kill(pid: int) -> None:

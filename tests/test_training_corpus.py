@@ -87,3 +87,22 @@ def test_json_lines_records_are_documents(tmp_path):
     tok = Tokenizer.from_file(str(tokens.root / "tokenizer.json"))
     eos = tok.token_to_id("<|endoftext|>")
     assert int((tokens.tokens == eos).sum()) == 3                       # one end-of-text after each record
+
+
+def test_parquet_text_columns_are_documents_and_bad_files_are_refused(tmp_path):
+    """The same three sources as Parquet rows tokenize to exactly the JSON Lines corpus's tokens."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    texts = [(STDLIB / name).read_text() for name in ("json/decoder.py", "json/encoder.py", "json/scanner.py")]
+    pq.write_table(pa.table({"id": [1, 2, 3], "text": texts}), tmp_path / "docs.parquet", row_group_size=2)
+    (tmp_path / "docs.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in texts))
+    tok_dir = prepare(str(tmp_path / "docs.jsonl"), "train", 300, tmp_path / "c", 0.1).root
+    from_parquet = prepare(str(tmp_path / "docs.parquet"), str(tok_dir), 300, tmp_path / "c", 0.1)
+    from_jsonl = prepare(str(tmp_path / "docs.jsonl"), str(tok_dir), 300, tmp_path / "c", 0.1)
+    assert from_parquet.n_tokens == from_jsonl.n_tokens and (from_parquet.tokens == from_jsonl.tokens).all()
+    pq.write_table(pa.table({"body": ["x"]}), tmp_path / "nocol.parquet")
+    with pytest.raises(DataError, match="needs a string column 'text'"):
+        prepare(str(tmp_path / "nocol.parquet"), "train", 300, tmp_path / "c", 0.1)
+    (tmp_path / "junk.parquet").write_bytes(b"not parquet at all")
+    with pytest.raises(DataError, match="not a readable Parquet file"):
+        prepare(str(tmp_path / "junk.parquet"), "train", 300, tmp_path / "c", 0.1)

@@ -18,10 +18,15 @@ def single_llama(tmp_path_factory):
     return res, torch.load(d / "run" / "model.pt")
 
 
-@pytest.mark.parametrize("overrides", [["layout=ddp"], ["layout=fsdp"], ["layout=tp"]], ids=lambda o: o[0])
+@pytest.mark.parametrize("overrides", [["layout=ddp"], ["layout=fsdp"], ["layout=tp"], ["layout=pp"],
+                                       ["layout=fsdp", "activation_checkpointing=true"],
+                                       ["layout=ddp", "compile=true"]], ids="-".join)
 def test_llama_layouts_match_a_single_process(tmp_path, single_llama, overrides):
     """fp32, the same tolerance as the reference model's layouts (1e-4: sums in another order, carried
-    by AdamW): every step's loss and every final parameter."""
+    by AdamW): every step's loss and every final parameter. And each layout really splits the work:
+    how the samples of a step fall on the ranks, the parameter bytes each holds, and the bytes each
+    puts on the wire (the kernel's count), at least what its collectives must move; a layout that ran
+    the whole batch on every rank and exchanged nothing would pass the comparison but not these."""
     single, a = single_llama
     res = launch(TrainConfig.load(None, [*LLAMA, "world_size=2", "cpu_threads=1", *overrides]), tmp_path / "run",
                  timeout_s=300)
@@ -32,23 +37,34 @@ def test_llama_layouts_match_a_single_process(tmp_path, single_llama, overrides)
     assert single["losses"][-1] < single["losses"][0] - 0.3
     whole = sum(v.numel() * v.element_size() for v in a.values())
     assert single["param_bytes_by_rank"] == [whole]
-    held = res["param_bytes_by_rank"]
-    if overrides == ["layout=ddp"]:                   # each rank its half of the batch, gradients all-reduced
+    held, wire, steps = res["param_bytes_by_rank"], res["wire_bytes_sent_by_rank"], 20
+    activations = 8 * 15 * 64 * 4                     # one step's hidden states: batch x (seq_len - 1) x d, fp32
+    assert single["wire_bytes_sent_by_rank"] == [0] and res["step_split"]["comm_s"] > 0
+    layout = overrides[0]
+    if layout == "layout=ddp":                        # each rank its half of the batch, gradients all-reduced
         assert res["samples_per_step_by_rank"] == [4, 4] and res["sent_bytes_per_step_per_rank"] > 0
         assert held == [whole, whole]                 # replicas
-    if overrides == ["layout=fsdp"]:                  # halves of the batch, every parameter sharded in two
+        assert min(wire) >= steps * whole / 2         # a ring all-reduce sends (n-1)/n x 2 x the gradient
+    if layout == "layout=fsdp":                       # halves of the batch, every parameter sharded in two
         assert res["samples_per_step_by_rank"] == [4, 4] and sum(held) == whole and max(held) <= whole // 2 + 1024
-    if overrides == ["layout=tp"]:                    # both ranks see the whole batch, each half of every block
+        assert min(wire) >= steps * 1.5 * whole / 2   # its half gathered in forward and backward, grads scattered
+    if layout == "layout=tp":                         # both ranks see the whole batch, each half of every block
         assert res["samples_per_step_by_rank"] == [8, 8]
         blocks = sum(v.numel() * v.element_size() for k, v in a.items() if ".layers." in k and "norm" not in k)
         assert held[0] == held[1] == whole - blocks // 2
+        assert min(wire) >= steps * 2 * 2 * activations    # 2 layers, >= 2 all-reduces of the hidden states each
+    if layout == "layout=pp":                         # the whole batch through both stages, a layer on each
+        assert res["samples_per_step_by_rank"] == [8, 8] and sum(held) == whole
+        embed = a["lm.model.embed_tokens.weight"]
+        assert held[0] - held[1] == embed.numel() * 4 - (a["lm.lm_head.weight"].numel() + 64) * 4
+        assert min(wire) >= steps * activations       # activations forward, their gradients back
 
 
 def test_llama_configs_are_checked_before_any_process_starts():
     with pytest.raises(ConfigError, match="kv_heads=3 needs"):
         TrainConfig.load(None, [*LLAMA, "kv_heads=3"])
-    with pytest.raises(ConfigError, match="pp splits the reference model only"):
-        TrainConfig.load(None, [*LLAMA, "layout=pp"])
+    with pytest.raises(ConfigError, match="activation_checkpointing is transformers' own"):
+        TrainConfig.load(None, [*LLAMA, "family=reference", "kv_heads=0", "activation_checkpointing=true"])
     with pytest.raises(ConfigError, match="does not divide kv_heads"):
         TrainConfig.load(None, [*LLAMA, "layout=tp", "world_size=4", "kv_heads=2", "model.n_heads=4"])
     with pytest.raises(ConfigError, match="family 'gpt5'"):
@@ -74,12 +90,12 @@ def test_a_trained_llama_exports_a_directory_transformers_loads_unchanged(tmp_pa
                                   f"data_cache={tmp_path / 'cache'}"])
     res = launch(cfg, tmp_path / "run")
     assert res["losses"][-1] < res["losses"][0] - 0.3
-    model = build(cfg.family, cfg.model, cfg.seed, cfg.kv_heads)
+    model = build(cfg)
     model.load_state_dict(torch.load(tmp_path / "run" / "model.pt"))
     ids = torch.tensor([[5, 17, 42, 99, 7, 300]])
     with torch.no_grad():
         want = model.to(torch.bfloat16)(ids).float()
-    model = build(cfg.family, cfg.model, cfg.seed, cfg.kv_heads)
+    model = build(cfg)
     model.load_state_dict(torch.load(tmp_path / "run" / "model.pt"))
     out = export_hf(model, cfg, tmp_path / "export", max_shard_size="100KB")
     names = {p.name for p in out.iterdir()}
@@ -96,6 +112,35 @@ def test_a_trained_llama_exports_a_directory_transformers_loads_unchanged(tmp_pa
     tok = AutoTokenizer.from_pretrained(out)
     text = (stdlib / "json" / "decoder.py").read_text()[:200]
     assert tok.decode(tok(text).input_ids) == text and tok.eos_token == "<|endoftext|>"
+
+    # and back in: --init-from takes the family, sizes, weights and tokenizer from the directory
+    again = TrainConfig.load(None, [f"init_from={out}", "layout=ddp", "world_size=2", "steps=5", "seq_len=32",
+                                    "global_batch=8", "lr=1e-3", f"data={stdlib}/json/*.py",
+                                    f"data_cache={tmp_path / 'cache'}"])
+    assert (again.family, again.kv_heads, again.model.vocab, again.tokenizer) == ("llama", 2, 512, str(out))
+    cont = launch(again, tmp_path / "again")
+    assert abs(cont["losses"][0] - res["losses"][-1]) < 0.3 < res["losses"][0] - cont["losses"][0]
+    with pytest.raises(ConfigError, match=r"fixes the model; drop model.d_model=32 \(its config says 64\)"):
+        TrainConfig.load(None, [f"init_from={out}", "model.d_model=32"])
+    with pytest.raises(ConfigError, match="no readable config.json"):
+        TrainConfig.load(None, [f"init_from={tmp_path}"])
+
+
+def test_activation_checkpointing_recomputes_each_layer_and_compile_compiles_it():
+    from training.layouts import wrap
+    from training.models import build
+    from training.rank import lm_loss
+    ids = torch.randint(0, 128, (2, 16))
+    for ac, forwards in ((False, 1), (True, 2)):            # with it, each layer's forward runs again in backward
+        model = build(TrainConfig.load(None, [*LLAMA, f"activation_checkpointing={str(ac).lower()}"])).train()
+        calls = []
+        # a pre-hook: the recomputation stops early once it has what backward needs, before post-hooks
+        model.blocks[0].self_attn.q_proj.register_forward_pre_hook(lambda *_: calls.append(1))
+        lm_loss(model, ids).backward()
+        assert len(calls) == forwards
+    cfg = TrainConfig.load(None, [*LLAMA, "layout=single", "world_size=1", "compile=true"])
+    model = wrap(cfg, build(cfg), torch.device("cpu"), None, None)
+    assert all(b._compiled_call_impl is not None for b in model.blocks)
 
 
 def test_bf16_layouts_stay_as_close_to_fp32_as_bf16_itself(tmp_path, single_llama):
@@ -130,7 +175,7 @@ def test_gradient_clipping_bounds_every_step_over_all_shards(tmp_path, layout):
     cfg = TrainConfig.load(None, [*LLAMA, f"layout={layout}", "world_size=2", "optimizer=sgd", "lr=0.1",
                                   "steps=3", "grad_clip=0.01"])
     launch(cfg, tmp_path / "clip")
-    start = build(cfg.family, cfg.model, cfg.seed, cfg.kv_heads).state_dict()
+    start = build(cfg).state_dict()
     end = torch.load(tmp_path / "clip" / "model.pt")
     moved = sum(((end[k] - start[k]) ** 2).sum() for k in end).sqrt().item()
     assert 0 < moved <= 3 * 0.1 * 0.01 * 1.001

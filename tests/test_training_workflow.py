@@ -6,11 +6,13 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import sys
 import uuid
 from pathlib import Path
 
+import aiohttp
 import pytest
 import torch
 from temporalio.client import WorkflowFailureError
@@ -21,6 +23,7 @@ from serving.model import init_model
 from training.config import TrainConfig
 from training.launch import launch
 from training.rank import held_out_loss
+from weightcast.stack.ports import free_ports
 from weightcast.stack.temporal import SEARCH_ATTRIBUTES, temporal_binary
 from workers import control_worker
 from workflows.training import TrainingWorkflow
@@ -197,7 +200,8 @@ async def test_the_cli_starts_watches_and_reports_a_run(tmp_path, keys, capsys):
               str(tmp_path / "c"), "--temporal", "127.0.0.1:1", *[f"--set={c}" for c in CONFIG]])
     async with await WorkflowEnvironment.start_local(dev_server_existing_path=temporal_binary(),
                                                      search_attributes=SEARCH_ATTRIBUTES) as env:
-        procs = await hosts(env, tmp_path, ["t0", "t1"])
+        ports = dict(zip(("t0", "t1"), free_ports(2)))
+        procs = await hosts(env, tmp_path, ["t0", "t1"], metrics=ports)
         target = env.client.service_client.config.target_host
         try:
             async with control_worker.build(env.client, [keys["pub_path"]]):
@@ -224,6 +228,15 @@ async def test_the_cli_starts_watches_and_reports_a_run(tmp_path, keys, capsys):
                 assert p.returncode == 2 and "no training run 'train-nope'" in err.decode()   # not a traceback
                 assert "Traceback" not in err.decode()
                 assert (tmp_path / "out" / SMOKE).exists()
+                # each host's Prometheus metrics: its rank's last step, speed and the final held-out loss
+                for rank, host in enumerate(("t0", "t1")):
+                    async with aiohttp.ClientSession() as s:
+                        async with s.get(f"http://127.0.0.1:{ports[host]}/metrics") as r:
+                            text = await r.text()
+                    got = {m.group(1): float(m.group(2)) for m in re.finditer(
+                        r'^weightcast_train_(\w+)\{rank="%d",run="cli"\} (\S+)$' % rank, text, re.M)}
+                    assert got["step"] == 40 and got["tokens_per_second"] > 0 and 0 < got["mfu"] < 1, got
+                    assert got["eval_loss"] == pytest.approx(final["final_loss"], abs=1e-4)
         finally:
             for p in procs.values():
                 p.stop()

@@ -10,15 +10,18 @@ CONFIG = ["model.vocab=128", "model.d_model=32", "model.n_heads=2", "model.d_ff=
           "seq_len=16", "global_batch=8", "lr=3e-2", "layout=ddp", "world_size=2", "steps=40"]
 
 
-async def hosts(env, root: Path, ids, s3_env: dict | None = None, fleet=None) -> dict[str, ModuleProc]:
-    """Host-worker processes; with ``fleet`` (tests/fleet.Fleet) each drives its host's peerd."""
+async def hosts(env, root: Path, ids, s3_env: dict | None = None, fleet=None,
+                metrics: dict[str, int] | None = None) -> dict[str, ModuleProc]:
+    """Host-worker processes; with ``fleet`` (tests/fleet.Fleet) each drives its host's peerd; with
+    ``metrics`` ({host: port}) each serves its Prometheus metrics there."""
     target = env.client.service_client.config.target_host
 
     def peerd(i: str) -> list[str]:             # the fleet's stores are root/<id>/store too
         return ["--peerd", fleet.procs[i].addr, "--token", TOKEN] if fleet else []
     procs = {i: ModuleProc(f"host-worker {i}", "workers.host_worker", root / i,
                            ["--id", i, "--temporal", target, "--store", str(root / i / "store"),
-                            "--train-dir", str(root / i / "train"), "--heartbeat-every", "0.5", *peerd(i)],
+                            "--train-dir", str(root / i / "train"), "--heartbeat-every", "0.5", *peerd(i),
+                            *(["--metrics-port", str(metrics[i])] if metrics else [])],
                            env=s3_env or {}).launch()
              for i in ids}
     for p in procs.values():

@@ -33,6 +33,9 @@ class TrainConfig:
     # model.* sizes: vocab, d_model = hidden size, n_layers, n_heads, d_ff = intermediate size, max_seq)
     family: str = "reference"
     kv_heads: int = 0                # llama/qwen2/mistral: key/value heads (grouped-query attention); 0: n_heads
+    # a Hugging Face directory (config.json + safetensors) to start from: its family, sizes and weights
+    # (model.* and kv_heads are taken from its config.json), and its tokenizer when data is set
+    init_from: str = ""
     # single | ddp | fsdp (FSDP2 fully_shard per block: params, grads, optimiser state sharded) |
     # tp (tensor parallel over all ranks) | pp (pipeline stages over all ranks) | fsdp_tp (2-D: data x tensor)
     layout: str = "ddp"
@@ -50,6 +53,10 @@ class TrainConfig:
     min_lr_ratio: float = 0.1        # cosine: the final learning rate as a fraction of lr
     grad_clip: float = 0.0           # clip the gradients' global L2 norm to this (0: no clipping)
     precision: str = "fp32"          # fp32 | bf16 (bf16 forward, fp32 master weights and gradients)
+    # llama/qwen2/mistral: recompute each decoder layer's activations in backward instead of keeping them
+    # (less memory, about a third more compute)
+    activation_checkpointing: bool = False
+    compile: bool = False            # torch.compile each decoder layer (after tensor parallelism, before FSDP)
     weight_decay: float = 0.0
     comm: str = "allreduce"          # allreduce | fp16 | int8_ef | topk_ef | powersgd | local_sgd | diloco
     bucket_mb: float = 25.0          # DDP gradient bucket size
@@ -66,8 +73,8 @@ class TrainConfig:
     cpu_threads: int = 0
     seed: int = 0                    # model init
     data_seed: int = 1234            # the synthetic language; with ``data``, the order of the corpus's windows
-    # a text corpus (training/corpus.py): comma-separated globs of text files or JSON Lines with a "text"
-    # field; empty: the synthetic language
+    # a text corpus (training/corpus.py): comma-separated globs of text files, JSON Lines with a "text"
+    # field or Parquet with a "text" column; empty: the synthetic language
     data: str = ""
     # with data: a directory holding the model's tokenizer.json, or "train" (byte-level BPE trained on the
     # corpus with model.vocab tokens)
@@ -126,7 +133,7 @@ class TrainConfig:
             out.append(f"seq_len {self.seq_len} exceeds model.max_seq {m.max_seq}")
         if self.pp_schedule not in PP_SCHEDULES:
             out.append(f"pp_schedule {self.pp_schedule!r} is not one of {', '.join(PP_SCHEDULES)}")
-        for name in ("overlap", "rebalance"):
+        for name in ("overlap", "rebalance", "activation_checkpointing", "compile"):
             if not isinstance(getattr(self, name), bool):
                 out.append(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.data, str) or not isinstance(self.tokenizer, str) or not isinstance(self.data_cache, str):
@@ -158,9 +165,10 @@ class TrainConfig:
         if self.layout == "fsdp_tp" and self.world_size % self.tp_degree:
             out.append(f"world_size {self.world_size} is not divisible by tp_degree {self.tp_degree} "
                        "(the 2-D mesh is data x tensor)")
-        if self.layout == "pp" and self.family != "reference":
-            out.append(f"pp splits the reference model only; {self.family} trains with single, ddp, fsdp, tp "
-                       "or fsdp_tp")
+        if self.activation_checkpointing and self.family == "reference":
+            out.append("activation_checkpointing is transformers' own: a llama, qwen2 or mistral family")
+        if self.compile and self.layout == "pp":
+            out.append("compile compiles decoder layers in place; pp stages run them eagerly: compile=false with pp")
         if self.layout == "pp":
             if self.world_size > m.n_layers:
                 out.append(f"pp puts at least one block on each stage: {self.world_size} stages need "
@@ -215,6 +223,8 @@ class TrainConfig:
             raise ConfigError("a training config is an object of settings")
         _reject_unknown(d, cls, "")
         d = dict(d)
+        if d.get("init_from"):
+            d = _adopt_init_from(d)
         if "model" in d:
             if not isinstance(d["model"], dict):
                 raise ConfigError("model must be an object of ModelConfig fields")
@@ -248,6 +258,37 @@ class TrainConfig:
                     raise ConfigError(f"override {ov!r}: {part} is not a section")
             node[leaf] = value
         return cls.from_dict(d).check()
+
+
+def _adopt_init_from(d: dict) -> dict:
+    """The settings with family, model sizes and kv_heads read from ``init_from``'s config.json (and
+    its tokenizer when a corpus is set and no tokenizer is); a size given too must agree with it."""
+    from training.models import HF_FAMILIES
+    src = Path(str(d["init_from"]))
+    try:
+        hf = json.loads((src / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"init_from {src}: no readable config.json ({e})") from None
+    family = hf.get("model_type")
+    if family not in HF_FAMILIES:
+        raise ConfigError(f"init_from {src}: model_type {family!r} is not one of {', '.join(HF_FAMILIES)}")
+    try:
+        sizes = {"vocab": hf["vocab_size"], "d_model": hf["hidden_size"], "n_layers": hf["num_hidden_layers"],
+                 "n_heads": hf["num_attention_heads"], "d_ff": hf["intermediate_size"],
+                 "max_seq": hf["max_position_embeddings"]}
+    except KeyError as e:
+        raise ConfigError(f"init_from {src}: config.json has no {e.args[0]}") from None
+    given = d.get("model") if isinstance(d.get("model"), dict) else {}
+    adopted = {"family": family, "kv_heads": hf.get("num_key_value_heads") or sizes["n_heads"]}
+    clashes = [f"model.{k}={given[k]} (its config says {v})" for k, v in sizes.items() if k in given and given[k] != v]
+    clashes += [f"{k}={d[k]!r} (its config says {v!r})" for k, v in adopted.items()
+                if k in d and d[k] != v and not (k == "family" and d[k] == "reference")]
+    if clashes:
+        raise ConfigError(f"init_from {src} fixes the model; drop " + ", ".join(clashes))
+    out = {**d, **adopted, "model": {**given, **sizes}}
+    if out.get("data") and not out.get("tokenizer") and (src / "tokenizer.json").is_file():
+        out["tokenizer"] = str(src)
+    return out
 
 
 def _reject_unknown(d: dict, cls, prefix: str) -> None:

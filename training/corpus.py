@@ -1,5 +1,5 @@
-"""Training data from real text: files matched by globs (plain text of any suffix, or JSON Lines with a
-``text`` field), tokenized once with the model's tokenizer (Hugging Face ``tokenizers``) into a flat
+"""Training data from real text: files matched by globs (plain text of any suffix, JSON Lines with a
+``text`` field, or Parquet with a ``text`` column), tokenized once with the model's tokenizer (Hugging Face ``tokenizers``) into a flat
 token file that every rank memory-maps, cached under the content hash of the files and the tokenizer
 (as nanoGPT and torchtitan do): a second run, a resumed run or another rank on the host reads the
 cache. Documents are joined with the tokenizer's end-of-text token.
@@ -65,8 +65,26 @@ def documents(path: Path):
                 yield text
         return
     if path.suffix == ".parquet":
-        raise DataError(f"{path}: Parquet is not read; convert it to JSON Lines with a 'text' field")
+        yield from _parquet_texts(path)
+        return
     yield path.read_text(encoding="utf-8", errors="replace")
+
+
+def _parquet_texts(path: Path):
+    """The ``text`` column of a Parquet file, a record batch at a time (nulls skipped)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    try:
+        pf = pq.ParquetFile(path)
+        if "text" not in pf.schema_arrow.names:
+            raise DataError(f"{path}: a Parquet corpus needs a string column 'text' (has {', '.join(pf.schema_arrow.names)})")
+        if not pa.types.is_string(pf.schema_arrow.field("text").type) and \
+                not pa.types.is_large_string(pf.schema_arrow.field("text").type):
+            raise DataError(f"{path}: column 'text' is {pf.schema_arrow.field('text').type}, not a string")
+        for batch in pf.iter_batches(columns=["text"], batch_size=1024):
+            yield from (t for t in batch.column(0).to_pylist() if t is not None)
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"{path}: not a readable Parquet file ({e})") from None
 
 
 def _content_key(files: list[Path], tokenizer_id: bytes, vocab: int) -> str:

@@ -24,7 +24,7 @@ def export_checkpoint(inp: ExportInput) -> Path:
     found = latest(Path(inp.checkpoint_dir))
     if found is None:
         raise ConfigError(f"no complete checkpoint under {inp.checkpoint_dir}: nothing to export")
-    model = build_model(cfg.family, cfg.model, cfg.seed, cfg.kv_heads)
+    model = build_model(cfg)
     state = {"model": model.state_dict()}
     Checkpointer(Path(inp.checkpoint_dir), 0, 1).load(found.path, state)
     model.load_state_dict(state["model"])

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -16,7 +17,25 @@ import torch.multiprocessing as mp
 
 from training.config import TrainConfig
 from training.data import source_for
-from training.rank import leave, run_rank
+from training.flops import flops_per_token, matmul_peak
+from training.rank import device_for, leave, run_rank
+from training.rank_logs import log_tail, merge_rank_logs, route_rank_logs
+
+
+def _peak(cfg: TrainConfig) -> float:
+    """The job's matmul bound: one device's measured peak times the ranks on GPUs; on the CPU, the
+    measured peak with every thread the ranks use between them (they share the cores)."""
+    import torch
+    device = device_for(0)
+    dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
+    if device.type == "cuda":
+        return matmul_peak(device, dtype) * min(cfg.world_size, torch.cuda.device_count())
+    threads = cfg.cpu_threads * cfg.world_size if cfg.cpu_threads else (os.cpu_count() or 1)
+    return matmul_peak(device, dtype, threads=threads, seconds=0.3)
+
+
+class RanksFailed(RuntimeError):
+    """A rank process died without a Python exception (a signal, a native abort)."""
 
 
 class RanksHung(RuntimeError):
@@ -26,6 +45,7 @@ class RanksHung(RuntimeError):
 def _spawned_rank(rank: int, cfg_dict: dict, out_dir: str) -> None:
     faulthandler.enable()            # a native abort in a collective still names the Python line
     faulthandler.register(signal.SIGUSR1, all_threads=True)   # and a hung rank its stacks, on request
+    route_rank_logs(Path(out_dir), rank)       # torch's per-rank warnings into the run's log, not the terminal
     alive = run_rank(rank, cfg_dict, out_dir)     # held until the process ends (see run_rank)
     leave(alive)
 
@@ -61,8 +81,9 @@ class _ProgressWatcher:
         self._poll()                              # the last step, if it came after the last poll
 
 
-def _join(ctx, timeout_s: float | None) -> None:
-    """Wait for every rank; past ``timeout_s`` ask each for its stacks (SIGUSR1), then end them."""
+def _join(ctx, timeout_s: float | None, work: Path) -> None:
+    """Wait for every rank; past ``timeout_s`` ask each for its stacks (SIGUSR1, into its log, which
+    is then shown on stderr), then end them."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while not ctx.join(timeout=1.0):
         if deadline is not None and time.monotonic() > deadline:
@@ -70,10 +91,13 @@ def _join(ctx, timeout_s: float | None) -> None:
             for pid in pids:
                 os.kill(pid, signal.SIGUSR1)
             time.sleep(1.0)                      # let faulthandler write
-            for p in ctx.processes:
+            for r, p in enumerate(ctx.processes):
                 if p.is_alive():
                     p.kill()
-            raise RanksHung(f"ranks (pids {pids}) still running after {timeout_s:.0f} s; their stacks are on stderr")
+                    print(f"rank {r} (pid {p.pid}), the end of {work}/rank{r}.log:\n{log_tail(work, r, 80)}",
+                          file=sys.stderr)
+            raise RanksHung(f"ranks (pids {pids}) still running after {timeout_s:.0f} s; their stacks are on "
+                            f"stderr and in {work}/rank*.log")
 
 
 def launch(cfg: TrainConfig, out_dir: Path | None = None, timeout_s: float | None = None,
@@ -88,6 +112,9 @@ def launch(cfg: TrainConfig, out_dir: Path | None = None, timeout_s: float | Non
     t0 = time.perf_counter()
     (work / "rendezvous").unlink(missing_ok=True)       # a FileStore must start from no file
     (work / "progress.jsonl").unlink(missing_ok=True)
+    for r in range(cfg.world_size):                     # a rerun in the same directory logs afresh
+        (work / f"rank{r}.log").unlink(missing_ok=True)
+    peak = _peak(cfg)                   # the bound MFU is measured against, before the ranks load the cores
     watcher = _ProgressWatcher(work / "progress.jsonl", progress) if progress else None
     try:
         if cfg.world_size == 1:
@@ -95,11 +122,16 @@ def launch(cfg: TrainConfig, out_dir: Path | None = None, timeout_s: float | Non
         else:
             ctx = mp.start_processes(_spawned_rank, args=(cfg.to_dict(), str(work)), nprocs=cfg.world_size,
                                      start_method="spawn", join=False)
-            _join(ctx, timeout_s)
+            try:
+                _join(ctx, timeout_s, work)
+            except mp.ProcessExitedException as e:      # a native death: its last words are in its log
+                raise RanksFailed(f"{e}; the end of rank {e.error_index}'s log ({work}/rank{e.error_index}.log):\n"
+                                  + log_tail(work, e.error_index)) from e
     finally:
         if watcher:
             watcher.stop()
     wall = time.perf_counter() - t0
+    log, distinct = merge_rank_logs(work, cfg.world_size)
     ranks = [json.loads((work / f"rank{r}.json").read_text()) for r in range(cfg.world_size)]
     steps = cfg.steps
     # the loss of a step is the mean over the whole global batch: weight each reporting rank by its
@@ -110,16 +142,28 @@ def launch(cfg: TrainConfig, out_dir: Path | None = None, timeout_s: float | Non
     steady = slice(min(2, steps - 1), steps)                     # the first steps include warm-up
     step_s = [max(r["step_s"][s] for r in ranks) for s in range(steps)]
     tokens = cfg.global_batch * (cfg.seq_len - 1)
+    median_s = statistics.median(step_s[steady])
+    # the share of a step some collective was in flight, from each rank's profiled steps (training/comm_time.py)
+    fractions = [sum(c for _, c, _ in r["comm_samples"]) / sum(t for _, _, t in r["comm_samples"])
+                 for r in ranks if r["comm_samples"]]
+    comm_fraction = statistics.mean(fractions) if fractions and cfg.world_size > 1 else 0.0
+    fpt = flops_per_token(cfg)
     summary = {"layout": cfg.layout, "comm": cfg.comm, "world_size": cfg.world_size, "device": ranks[0]["device"],
                "steps": steps, "loss_first": loss[0], "loss_last": loss[-1],
                "loss_floor": source.entropy_floor(),
                "losses": loss, "sent_bytes_per_step_per_rank": None if ranks[0]["sent_bytes"] is None else
                statistics.mean(statistics.mean(r["sent_bytes"][steady]) for r in ranks),
                "step_s": step_s, "step_s_median": statistics.median(step_s[steady]),
-               "tokens_per_s": tokens / statistics.median(step_s[steady]),
+               "tokens_per_s": tokens / median_s,
+               "tokens_per_s_by_rank": [statistics.mean(r["samples"][steady]) * (cfg.seq_len - 1) / median_s
+                                        for r in ranks],
+               "flops_per_token": fpt, "peak_flops": peak, "mfu": tokens / median_s * fpt / peak,
+               "step_split": {"compute_s": median_s * (1 - comm_fraction), "comm_s": median_s * comm_fraction,
+                              "comm_fraction": comm_fraction},
                "samples_per_step_by_rank": [statistics.mean(r["samples"][steady]) for r in ranks],
                "param_bytes_by_rank": [r["param_bytes"] for r in ranks],
-               "wall_s": round(wall, 2), "out_dir": str(work),
+               "wire_bytes_sent_by_rank": [r["wire_bytes_sent"] for r in ranks],
+               "wall_s": round(wall, 2), "out_dir": str(work), "log": str(log), "log_messages": distinct,
                "config": cfg.to_dict()}
     if cfg.out:
         Path(cfg.out).write_text(json.dumps(summary, indent=1))

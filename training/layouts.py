@@ -65,10 +65,22 @@ def shard_fully(model: torch.nn.Module, dp_mesh=None, mp_policy=None) -> None:
     fully_shard(model, mesh=dp_mesh, mp_policy=policy)
 
 
+def compile_blocks(model: torch.nn.Module) -> None:
+    """torch.compile each decoder layer in place (parameter names unchanged), as torchtitan does: after
+    tensor parallelism, before FSDP wraps the layers."""
+    for block in model.blocks:
+        block.compile()
+
+
 def wrap(cfg: TrainConfig, model: torch.nn.Module, device: torch.device, comm_state, hook) -> torch.nn.Module:
-    """The model as this rank trains it (pp is built by training/pipeline.py instead)."""
+    """The model as this rank trains it (pp is built by training/pipeline.py instead). The order is
+    torchtitan's: tensor parallel, (activation checkpointing, set when the model was built), compile, FSDP."""
     if cfg.world_size == 1 or cfg.layout == "single":
+        if cfg.compile:
+            compile_blocks(model)
         return model
+    if cfg.compile and cfg.layout in ("ddp", "fsdp"):
+        compile_blocks(model)
     if cfg.layout == "ddp":
         ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=cfg.bucket_mb)
         ddp.register_comm_hook(comm_state, hook)
@@ -77,9 +89,13 @@ def wrap(cfg: TrainConfig, model: torch.nn.Module, device: torch.device, comm_st
         shard_fully(model, mp_policy=fsdp_policy(cfg))
     elif cfg.layout == "tp":
         tensor_parallel(model, mesh_for(cfg, device), cfg.family)
+        if cfg.compile:
+            compile_blocks(model)
     elif cfg.layout == "fsdp_tp":
         mesh = mesh_for(cfg, device)
         tensor_parallel(model, mesh["tp"], cfg.family)
+        if cfg.compile:
+            compile_blocks(model)
         shard_fully(model, mesh["dp"], fsdp_policy(cfg))
     return model
 

@@ -31,10 +31,9 @@ TP_PLANS = {
 class HFCausalLM(nn.Module):
     """A transformers causal LM as the trainer drives it: token ids in, logits out."""
 
-    def __init__(self, family: str, cfg, kv_heads: int):
+    def __init__(self, lm: nn.Module):
         super().__init__()
-        from transformers import AutoModelForCausalLM
-        self.lm = AutoModelForCausalLM.from_config(hf_config(family, cfg, kv_heads), dtype=torch.float32)
+        self.lm = lm
 
     @property
     def blocks(self) -> nn.ModuleList:
@@ -53,13 +52,23 @@ def hf_config(family: str, cfg, kv_heads: int):
                intermediate_size=cfg.d_ff, max_position_embeddings=cfg.max_seq, tie_word_embeddings=False)
 
 
-def build(family: str, cfg, seed: int, kv_heads: int = 0) -> nn.Module:
-    """The model with the same initial weights on every rank (``seed``)."""
-    if family == "reference":
+def build(cfg) -> nn.Module:
+    """The model of ``cfg`` (a TrainConfig) with the same initial weights on every rank: from ``seed``,
+    or the Hugging Face directory ``init_from`` (its own config, so nothing in it is lost: rope base,
+    norm epsilon, tied embeddings). Activation checkpointing is transformers' own (non-reentrant, so it
+    composes with FSDP2 and DTensor)."""
+    if cfg.family == "reference":
         from serving.model import init_model
-        return init_model(cfg, seed)
-    torch.manual_seed(seed)
-    return HFCausalLM(family, cfg, kv_heads)
+        return init_model(cfg.model, cfg.seed)
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(cfg.seed)
+    if cfg.init_from:
+        lm = AutoModelForCausalLM.from_pretrained(cfg.init_from, dtype=torch.float32)
+    else:
+        lm = AutoModelForCausalLM.from_config(hf_config(cfg.family, cfg.model, cfg.kv_heads), dtype=torch.float32)
+    if cfg.activation_checkpointing:
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return HFCausalLM(lm)
 
 
 def tp_plan(family: str) -> dict[str, str]:

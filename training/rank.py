@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from training.models import build as build_model
 from training.step_controls import clip_gradients, forward_precision, lr_at, set_lr
 from training.balance import Balancer
+from training.comm_time import CommTimer
 from training.checkpoint import Checkpointer, latest
 from training.control import agree
 from training.comm import HOOKS, CommState, OuterSync, reduce_after_backward
@@ -29,6 +30,7 @@ from training.config import TrainConfig
 from training.data import Sampler, source_for
 from training.layouts import full_state_dict, placement, wrap
 from training.pipeline import Pipeline
+from training.wire_bytes import tcp_bytes_sent
 
 BACKWARD_OVER_FORWARD = 2.0     # backward costs about twice the forward (FLOPs): for the speed estimate
 
@@ -108,7 +110,7 @@ def run_rank(rank: int, cfg_dict: dict, out_dir: str, durable: dict | None = Non
                                 init_method=init, **({"timeout": timeout} if timeout else {}))
     startup["group"] = time.time()
     place = placement(cfg, rank)
-    model = build_model(cfg.family, cfg.model, cfg.seed, cfg.kv_heads).train().to(device)   # same on every rank
+    model = build_model(cfg).train().to(device)   # same on every rank
     state = CommState(cfg.comm, place.dp_size, cfg.topk_ratio, cfg.powersgd_rank)
     pipe = Pipeline(cfg, model, rank, device) if cfg.layout == "pp" and world > 1 else None
     if pipe is None:
@@ -146,12 +148,17 @@ def run_rank(rank: int, cfg_dict: dict, out_dir: str, durable: dict | None = Non
         ckpt.set_aside_after(start)
         startup["loaded"] = time.time()
     losses, sent, step_s, samples = [], [], [], []
+    # one step in every log_every profiled for its communication time (kineto's own lines to a side file)
+    comm = CommTimer(cfg.log_every, device, first=start + 2, log=str(Path(out_dir, f"rank{rank}.profiler.log")))
 
     def report(step: int, loss: float | None, seconds: float | None) -> None:
         _write_progress(Path(durable["progress"]), {
             "step": step, "loss": loss, "step_s": seconds, "last_checkpoint": ckpt.last_complete,
             "first_step": start, "save_stall_s": sum(stalls), "saves": len(stalls), "t": time.time(),
-            "pid": os.getpid(), "startup": startup})
+            "pid": os.getpid(), "startup": startup,
+            "tokens": samples[-1] * (cfg.seq_len - 1) if samples else None,        # this rank's, last step
+            # the share of the newest profiled step some collective was in flight (training/comm_time.py)
+            "comm_fraction": comm.samples[-1][1] / comm.samples[-1][2] if comm.samples else None})
     paused, seen, last_save = False, 0, time.monotonic()
     if durable:
         report(start, None, None)                     # resumed (or started): the supervisor sees where
@@ -162,6 +169,8 @@ def run_rank(rank: int, cfg_dict: dict, out_dir: str, durable: dict | None = Non
         seen = agree(Path(durable["control"]), rank, ctl_group).checkpoint_seq   # requests already served
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()
+        probe = contextlib.ExitStack()
+        probe.enter_context(comm.around(step))
         before = state.sent_bytes
         shares = balancer.shares() if balancer else sampler.shares(place.dp_size)
         mine = shares[place.dp_rank]
@@ -202,11 +211,15 @@ def run_rank(rank: int, cfg_dict: dict, out_dir: str, durable: dict | None = Non
         sampler.advance()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+        probe.close()
         step_s.append(time.perf_counter() - t0)
+        if comm.samples and comm.samples[-1][0] == step:
+            comm.samples[-1] += (step_s[-1],)          # (step, comm_s, step_s) of the profiled step
         losses.append(loss)
         if not durable and loss is not None and rank == (world - 1 if cfg.layout == "pp" else 0):
             with open(Path(out_dir, "progress.jsonl"), "a") as f:     # one line a step, for launch's watcher
-                f.write(json.dumps({"step": step + 1, "loss": loss, "step_s": step_s[-1], "t": time.time()}) + "\n")
+                f.write(json.dumps({"step": step + 1, "loss": loss, "step_s": step_s[-1], "t": time.time(),
+                                    "comm_s": comm.samples[-1][1] if comm.samples else None}) + "\n")
         sent.append(state.sent_bytes - before)
         samples.append(mine)
         if durable:
@@ -239,9 +252,11 @@ def run_rank(rank: int, cfg_dict: dict, out_dir: str, durable: dict | None = Non
               "sent_bytes": sent if counted else None, "step_s": step_s, "samples": samples,
               "rates": balancer.rates if balancer else None, "next_step": sampler.next_step,
               "first_step": start, "save_stall_s": stalls, "held_out_loss": eval_loss, "paused": paused,
-              "param_bytes": _local_bytes(core)}
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(record))
+              "param_bytes": _local_bytes(core), "comm_samples": comm.samples}
     full = pipe.full_state_dict() if pipe else full_state_dict(model, cfg)   # a collective: every rank calls it
+    # the whole run's traffic, the gathering of the final weights included, while the connections are open
+    record["wire_bytes_sent"] = tcp_bytes_sent(os.getpid()) if world > 1 else 0
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(record))
     if rank == 0:
         torch.save(full, Path(out_dir, "model.pt"))
     if world > 1:

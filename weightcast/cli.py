@@ -152,6 +152,11 @@ def cmd_train_run(a) -> int:
         print(f"step {u['step']}/{cfg.steps}  loss {u['loss']:.4f}  {tokens / step_s:,.0f} tokens/s  "
               f"ETA {(cfg.steps - u['step']) * step_s:.0f} s", file=sys.stderr, flush=True)
     res = launch(cfg, progress=show)
+    print(f"MFU {res['mfu']:.2f} of a measured {res['peak_flops'] / 1e9:,.0f} GFLOP/s matmul peak; a step "
+          f"{res['step_split']['comm_fraction']:.0%} communication", file=sys.stderr)
+    if res["log_messages"]:
+        print(f"{res['log_messages']} distinct lines from the ranks (warnings, notices) in {res['log']}",
+              file=sys.stderr)
     print(json.dumps(res if a.full else {k: v for k, v in res.items() if k not in ("losses", "step_s", "config")},
                      indent=None if a.json else 1))
     return 0
@@ -195,7 +200,7 @@ def cmd_bench_rebalance(a) -> int:
 
 def cmd_bench_train(a) -> int:
     from bench.train_layouts import run_layout_bench
-    res = run_layout_bench(a.layouts.split(","), a.ranks, a.steps, a.set)
+    res = run_layout_bench(a.layouts.split(","), a.ranks, a.steps, a.set, a.model)
     print(json.dumps(res, indent=None if a.json else 1))
     return 0
 
@@ -317,7 +322,7 @@ def cmd_demo(a) -> int:
     from weightcast.demo import run_demo
     print(f"weightcast demo: Temporal dev server + SeaweedFS + {a.hosts} hosts (peerd, model server, host worker) "
           f"+ router on 127.0.0.1; a ~{a.size >> 20} MiB transformer"
-          + (f" trained for {a.train_steps} steps" if a.train_steps else "")
+          + (f", and a Llama trained for {a.train_steps} steps" if a.train_steps else "")
           + f"; links limited to {a.rate / 2**20:.0f} MiB/s", file=sys.stderr)
     bar = Progress("rollout")
     # keep the stack up for a person at a terminal (or with --keep); CI and pipes exit on their own
@@ -326,11 +331,12 @@ def cmd_demo(a) -> int:
     async def hold(res: dict) -> None:
         bar.close()
         print(json.dumps(res, indent=1))
-        trained = ("OK: trained through Temporal (a rank killed mid-run and recovered from a checkpoint), exported, "
-                   "published and " if "training" in res else "OK: ")
-        print(trained + "rolled out through Temporal, verified on every host, loaded, smoke-tested, answering "
-              f"through the router; a Hugging Face Llama rolled out on {res['hf']['engine']} answered the openai "
-              "client with its golden completion" if res["ok"] else "FAILED", file=sys.stderr)
+        llama = ("a Llama trained through Temporal (a rank killed mid-run and recovered from a checkpoint), "
+                 "exported, published and rolled out by the same workflow" if "training" in res else
+                 "a Hugging Face Llama rolled out")
+        print(f"OK: {llama} answered the openai client on {res['hf']['engine']} with its golden completion; the "
+              "reference checkpoint rolled out through Temporal, verified on every host, loaded, smoke-tested, "
+              "answering through the router" if res["ok"] else "FAILED", file=sys.stderr)
         if keep:
             print(f"\nThe stack is still up. Temporal UI: {res['temporal_ui']}\n"
                   f"  weightcast rollout status {res['workflow_id']} --temporal {res['temporal']}\n"
@@ -770,6 +776,8 @@ def build_parser() -> argparse.ArgumentParser:
     _training_bench_flags(bt, steps=20)
     bt.add_argument("--layouts", default="single,ddp,fsdp,tp,pp,fsdp_tp",
                     help="comma-separated layouts (fsdp_tp uses tp_degree=2 and needs --ranks 4)")
+    bt.add_argument("--model", choices=("reference", "llama"), default="reference",
+                    help="the model trained: weightcast's reference transformer or a Llama (transformers)")
     bt.set_defaults(fn=cmd_bench_train)
     btr = bench.add_parser("train-recovery", help="a rank killed mid-run: TrainingWorkflow vs torchrun --max-restarts")
     btr.add_argument("--ranks", type=positive_int, default=2)
@@ -856,7 +864,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--dir", type=Path, default=Path(".weightcast-dev"))
         p.set_defaults(fn=cmd_dev)
 
-    tr = sub.add_parser("train", help="distributed training of the reference transformer").add_subparsers(
+    tr = sub.add_parser("train", help="distributed training: the reference transformer or a Llama-family model").add_subparsers(
         dest="sub", required=True)
     trr = tr.add_parser("run", help="run one training job locally across its rank processes")
     trr.add_argument("config", nargs="?", type=Path, help="JSON or TOML TrainConfig (default: the defaults)")
@@ -950,9 +958,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--hosts", type=int, default=4)
     d.add_argument("--size", type=parse_size, default=parse_size("48M"))
     d.add_argument("--rate", type=parse_rate, default=parse_rate("16M"))
-    d.add_argument("--train-steps", type=int, default=30,
-                   help="train this many steps first (one rank killed halfway) and roll out the result; 0: roll out "
-                        "a random checkpoint")
+    d.add_argument("--train-steps", type=int, default=150,
+                   help="train a Llama this many steps first (one rank killed halfway) and roll it out; 0: roll out "
+                        "a Llama built here")
     d.add_argument("--engine", choices=("transformers", "vllm"), default="transformers",
                    help="what runs the Hugging Face Llama the demo rolls out (`make demo`: vllm, from make vllm-venv)")
     d.add_argument("--keep-ui", type=float, default=0.0, help="seconds to keep the stack (and UI) up at the end")

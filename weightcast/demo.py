@@ -2,18 +2,18 @@
 
 1. starts the embedded stack: the Temporal dev server (UI on), SeaweedFS, N hosts (peerd + model
    server + host worker, links rate-limited), the router and the control worker;
-2. trains the reference transformer as a durable TrainingWorkflow on two hosts, kills one rank
-   mid-run (it is recovered from the newest complete checkpoint), exports the weights, and the same
-   workflow has a publish worker upload and sign them and starts their rollout (weightcast/demo_training.py).
-   With ``train_steps=0`` it writes a random checkpoint and publishes it the way CI does instead
-   (`weightcast publish`: upload, sign, start the rollout);
-3. shows RolloutWorkflow's progress: manifest → distribute (swarm) → verify → staged load
-   (smoke-tested) → traffic steps;
-4. sends an inference request through the router and checks the answer against the weights that were
-   rolled out (the trained export);
-5. rolls a Hugging Face Llama out to two hosts on the stack's engine (vLLM under `make demo`) and
-   asks the router for a completion with the ``openai`` client (weightcast/demo_hf.py); then prints
-   the Temporal UI links.
+2. trains a small Llama on the standard library's sources as a durable TrainingWorkflow on two
+   hosts, kills one rank mid-run (it is recovered from the newest complete checkpoint), exports a
+   Hugging Face directory, and the same workflow has a publish worker upload and sign it and rolls it
+   out to two hosts on the stack's engine (vLLM under `make demo`); the router is then asked like a
+   user, with the ``openai`` client: the golden prompt and a few greedy completions
+   (weightcast/demo_training.py). With ``train_steps=0`` a Llama built here is rolled out instead
+   (weightcast/demo_hf.py);
+3. publishes a random reference checkpoint of ``size`` bytes the way CI does (`weightcast publish`:
+   upload, sign, start the rollout) and shows RolloutWorkflow's progress to every host: manifest →
+   distribute (swarm) → verify → staged load (smoke-tested) → traffic steps;
+4. sends an inference request through the router and checks the answer against those weights, then
+   prints the Temporal UI links.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from peerd.signing import generate_keypair
 from serving.checkpoint import write_checkpoint
 from serving.model import ModelConfig, init_model
 from weightcast.demo_hf import roll_out_llama
-from weightcast.demo_training import PrologueFailed, train_then_roll_out
+from weightcast.demo_training import PrologueFailed, serve_and_ask, train_then_roll_out
 from weightcast.publish import PublishRequest, publish_and_start
 from weightcast.stack.embedded import EmbeddedStack
 from weightcast.stack.seaweed import ACCESS_KEY, SECRET_KEY
@@ -53,7 +53,7 @@ async def run_demo(hosts: int, size: int, rate: float, progress=None, keep_ui_s:
                    say=None, engine: str = "transformers") -> dict:
     """``hold(result)``: awaited with the result before the stack is torn down, so the printed Temporal
     UI link and the CLI work against the live stack until it returns (the CLI waits for Enter).
-    ``train_steps``: train that many steps first and roll out the result (0: a random checkpoint).
+    ``train_steps``: train a Llama that many steps first and roll it out (0: roll out a Llama built here).
     ``engine``: what runs the Hugging Face Llama on the hosts (``transformers`` or ``vllm``)."""
     if hosts < 2 and train_steps:
         raise DemoFailed("the training prologue runs two ranks on two hosts: give --hosts 2 or more, or --train-steps 0")
@@ -66,28 +66,26 @@ async def run_demo(hosts: int, size: int, rate: float, progress=None, keep_ui_s:
         generate_keypair(work / "key.pem", work / "key.pub")
         stack = await EmbeddedStack(work / "stack", work / "key.pub", [f"h{i}" for i in range(hosts)],
                                     rate=rate, ui=ui, engine=engine).start()
-        loop = asyncio.get_running_loop()
+        hf = None
         if train_steps:
-            limit = 300 + 10 * train_steps
+            limit = HF_DEADLINE_S + 10 * train_steps
             try:
                 trained = await asyncio.wait_for(train_then_roll_out(
-                    stack, work, work / "key.pem", "demo", version, mcfg, train_steps,
+                    stack, work, work / "key.pem", "llama", version, train_steps, stack.hosts[:2],
                     {"router": stack.router_addr, "step_wait_s": step_wait_s}, say), limit)
+                hf = await asyncio.wait_for(serve_and_ask(stack, trained, "llama", say), HF_DEADLINE_S)
             except (asyncio.TimeoutError, PrologueFailed) as e:
-                raise DemoFailed(json.dumps({"training": str(e) or f"not done within {limit} s",
-                                             "dead": _dead_parts(stack)})) from None
-            t0 = loop.time()      # from the rollout's start (training, export and publish are done)
-            pub = {"workflow_id": trained.rollout_id, "version_id": trained.version_id, "bytes": trained.bytes}
-            reference, training = trained.model, trained.report
-        else:
-            src = write_checkpoint(work / "ckpt", mcfg, seed, shard_bytes=16 << 20, version=version)
-            req = PublishRequest(src, "demo", version, work / "key.pem",
-                                 OriginSpec(stack.s3.endpoint, stack.s3.bucket, f"demo/{version}"),
-                                 chunk_size=1 << 20, access_key=ACCESS_KEY, secret_key=SECRET_KEY)
-            t0 = loop.time()      # from `publish` (upload + sign + start) to every host serving
-            pub = await publish_and_start(stack.client, req, stack.hosts, router=stack.router_addr,
-                                          step_wait_s=step_wait_s)
-            reference = init_model(mcfg, seed)
+                raise DemoFailed(json.dumps({"training": str(e) or "not done in time", "dead": _dead_parts(stack)})) from None
+            training = trained.report
+        src = write_checkpoint(work / "ckpt", mcfg, seed, shard_bytes=16 << 20, version=version)
+        req = PublishRequest(src, "demo", version, work / "key.pem",
+                             OriginSpec(stack.s3.endpoint, stack.s3.bucket, f"demo/{version}"),
+                             chunk_size=1 << 20, access_key=ACCESS_KEY, secret_key=SECRET_KEY)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()          # from `publish` (upload + sign + start) to every host serving
+        pub = await publish_and_start(stack.client, req, stack.hosts, router=stack.router_addr,
+                                      step_wait_s=step_wait_s)
+        reference = init_model(mcfg, seed)
         handle = stack.client.get_workflow_handle(pub["workflow_id"])
         print(f"rollout {handle.id} started; Temporal UI: {stack.ui_url(handle.id)}", file=sys.stderr)
         t_started = loop.time()
@@ -115,16 +113,17 @@ async def run_demo(hosts: int, size: int, rate: float, progress=None, keep_ui_s:
         with torch.no_grad():
             want = reference(torch.tensor(ids))[:, -1, :16]
         correct = r.status == 200 and bool(torch.allclose(torch.tensor(answer["logits_head"]), want, atol=1e-4))
-        try:
-            hf = await asyncio.wait_for(roll_out_llama(stack, work, work / "key.pem", say), HF_DEADLINE_S)
-        except asyncio.TimeoutError:
-            raise DemoFailed(json.dumps({"llama": f"not rolled out within {HF_DEADLINE_S} s",
-                                         "dead": _dead_parts(stack)})) from None
+        if hf is None:
+            try:
+                hf = await asyncio.wait_for(roll_out_llama(stack, work, work / "key.pem", say), HF_DEADLINE_S)
+            except asyncio.TimeoutError:
+                raise DemoFailed(json.dumps({"llama": f"not rolled out within {HF_DEADLINE_S} s",
+                                             "dead": _dead_parts(stack)})) from None
         if keep_ui_s:
             await asyncio.sleep(keep_ui_s)
         res = {"workflow_id": handle.id, "temporal_ui": stack.ui_url(handle.id), "temporal": stack.temporal_addr,
                "rollout_s": round(elapsed, 2),
-                "publish_s": None if training else round(t_started - t0, 2), "phase_seconds": st.phase_seconds,
+                "publish_s": round(t_started - t0, 2), "phase_seconds": st.phase_seconds,
                 "swarm_s": round(max(j["finished"] for j in jobs) - min(j["started"] for j in jobs), 2),
                 "bytes": pub["bytes"], "hosts_ready": result["ready"], "traffic": result["traffic"],
                 "inference": {"routed_host": answer.get("routed_host"), "model_version": answer.get("model_version"),

@@ -35,18 +35,31 @@ async def roll_out_llama(stack: EmbeddedStack, work: Path, key: Path, say, step_
                                       step_wait_s=step_wait_s)
     result = await stack.client.get_workflow_handle(started["workflow_id"]).result()
     rollout_s = time.monotonic() - t0
+    answer = await ask_like_a_user(stack, src, record, MODEL)
+    return {"model": MODEL, "version": version, "engine": stack.engine, "workflow_id": started["workflow_id"],
+            "hosts_ready": result["ready"], "rollout_s": round(rollout_s, 1), **answer,
+            "ok": answer["openai_completion"]["matches_golden"] and len(result["ready"]) == len(hosts)}
+
+
+async def ask_like_a_user(stack: EmbeddedStack, src: Path, record: dict, model: str,
+                          greedy_prompts: tuple[str, ...] = ()) -> dict:
+    """The first golden prompt through the router's OpenAI API with the official client, compared with
+    the completion recorded at publish (decoded with the checkpoint's own tokenizer); and greedy
+    completions of ``greedy_prompts``, to show what the model has learnt."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(src)
     prompt = record["prompts"][0]
-    eos = hf_build.tokenizer().eos_token_id
     ids = prompt["output_ids"]
-    want = hf_build.tokenizer().decode(ids[:ids.index(eos)] if eos in ids else ids, skip_special_tokens=True)
+    eos = tok.eos_token_id
+    want = tok.decode(ids[:ids.index(eos)] if eos in ids else ids, skip_special_tokens=True)
     client = openai.AsyncOpenAI(base_url=f"{stack.router_addr}/v1", api_key="none", max_retries=0)
     try:
-        answer = await client.completions.create(model=MODEL, prompt=prompt["text"], max_tokens=len(ids),
+        answer = await client.completions.create(model=model, prompt=prompt["text"], max_tokens=len(ids),
                                                  temperature=0)
+        greedy = [{"prompt": p, "text": (await client.completions.create(
+            model=model, prompt=p, max_tokens=40, temperature=0)).choices[0].text} for p in greedy_prompts]
     finally:
         await client.close()
     text = answer.choices[0].text
-    return {"model": MODEL, "version": version, "engine": stack.engine, "workflow_id": started["workflow_id"],
-            "hosts_ready": result["ready"], "rollout_s": round(rollout_s, 1),
-            "openai_completion": {"prompt": prompt["text"], "text": text, "matches_golden": text == want},
-            "ok": text == want and len(result["ready"]) == len(hosts)}
+    return {"openai_completion": {"prompt": prompt["text"], "text": text, "matches_golden": text == want},
+            **({"greedy": greedy} if greedy_prompts else {})}

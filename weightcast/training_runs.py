@@ -99,6 +99,9 @@ async def training_status(client: Client, run: str) -> dict:
                                  default=None)
     out["step_s"] = step_s
     out["tokens_per_s"] = round(st.tokens_per_step / step_s) if st and step_s else None
+    for key in ("mfu", "comm_fraction"):           # the ranks' mean (each against its own host's peak)
+        vals = [r[key] for r in ranks.values() if r.get(key) is not None]
+        out[key] = round(sum(vals) / len(vals), 4) if vals else None
     out["eta_s"] = (round((st.total_steps - out["step"]) * step_s, 1)
                     if st and step_s and out["step"] is not None else None)
     return out

@@ -28,10 +28,10 @@ HEARTBEAT_EVERY_S = 1.0
 
 def build(client: Client, host_id: str, peerd_addr: str, token: str, store: Path, model_server: str,
           admin_token: str = "", heartbeat_every_s: float = HEARTBEAT_EVERY_S, train_dir: Path | None = None,
-          advertise_host: str = "127.0.0.1", inflight: InFlight | None = None) -> Worker:
+          advertise_host: str = "127.0.0.1", inflight: InFlight | None = None, registry=None) -> Worker:
     acts = HostActivities(host_id, peerd_addr, token, store, model_server, admin_token)
     train = TrainingActivities(host_id, train_dir or store.parent / "train", advertise_host,
-                               peerd=peerd_addr, token=token, store=store)
+                               peerd=peerd_addr, token=token, store=store, registry=registry)
     every = timedelta(seconds=heartbeat_every_s)
     return Worker(client, task_queue=host_queue(host_id),
                   activities=[acts.distribute, acts.load_version, acts.discard_version,
@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--inflight-file", type=Path,
                     help="where the rollout activities running now are listed, so that after a crash the restarted "
                          "worker hands them back at once (default: next to --store, host-worker.inflight.json)")
+    ap.add_argument("--metrics-port", type=int, default=0,
+                    help="serve Prometheus metrics of this host's training ranks (tokens/s, MFU, loss) on this port")
     ap.add_argument("--ready-file", type=Path, help="write {id, task_queue} JSON here once polling")
     return ap
 
@@ -73,9 +75,15 @@ def main(argv=None) -> int:
     async def run():
         client = await Client.connect(a.temporal, namespace=a.namespace)
         inflight = InFlight(a.inflight_file or a.store.parent / "host-worker.inflight.json")
+        registry = None
+        if a.metrics_port:
+            from prometheus_client import CollectorRegistry, start_http_server
+            registry = CollectorRegistry()
+            start_http_server(a.metrics_port, addr="127.0.0.1" if a.advertise_host == "127.0.0.1" else "0.0.0.0",
+                              registry=registry)
         await inflight.release_orphans(client)        # before polling: what a crashed predecessor was running
         async with build(client, a.id, a.peerd, a.token, a.store, a.model_server, a.admin_token, a.heartbeat_every,
-                         a.train_dir, a.advertise_host, inflight):
+                         a.train_dir, a.advertise_host, inflight, registry):
             if a.ready_file:
                 a.ready_file.write_text(json.dumps({"id": a.id, "task_queue": host_queue(a.id), "pid": os.getpid()}))
             await stop_requested()
