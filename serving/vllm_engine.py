@@ -15,6 +15,7 @@ busy meanwhile (``acquire``): a reload waits for the answers of the version befo
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import socket
@@ -53,7 +54,9 @@ class Server:
     port: int
     proc: subprocess.Popen
     log: Path
-    config: bytes                       # the config.json it was started with (an in-place reload needs the same)
+    # the digest of every file but the weights it was started with (config, tokenizer, generation and
+    # chat settings): read once at start, so an in-place reload needs them all the same
+    frame: str
     version: str | None = None          # the version it serves; None while idle
     in_flight: int = 0                  # requests the model server is proxying to it now
 
@@ -90,18 +93,20 @@ class VllmEngine:
         config = bytes(files.read(CONFIG))
         need = footprint(json.loads(config), weights, self.kv_cache_tokens, self.dtype)
         need.check(f"{key.model} {key.version}", memory_budget, in_use)     # before a byte more is read
-        for _ in files.read_each([rel for rel in files.files if rel != CONFIG]):
-            pass                                     # every byte hashed; vLLM then reads the verified files
+        frame = hashlib.sha256()                     # every byte hashed here; vLLM then reads the verified files
+        for rel, data in files.read_each(sorted(files.files)):
+            if not rel.endswith((".safetensors", ".safetensors.index.json")):
+                frame.update(rel.encode() + b"\0" + bytes(data) + b"\0")
         t0 = time.monotonic()
         server = self.idle.pop(key.model, None)
-        if (server is not None and server.config == config and server.proc.poll() is None
+        if (server is not None and server.frame == frame.hexdigest() and server.proc.poll() is None
                 and self._drained(server)):
             self._reload(server, model_dir, key)
             how = "in_place"
         else:
             if server is not None:
                 stop_process(server.proc)
-            server = self.start_server(key, model_dir, config, need.kv_cache)
+            server = self.start_server(key, model_dir, frame.hexdigest(), need.kv_cache)
             how = "cold"
         try:
             check_golden(lambda ids, n: self._greedy(server, ids, n), golden)
@@ -113,7 +118,7 @@ class VllmEngine:
         self.last_load = {"how": how, "seconds": round(time.monotonic() - t0, 3)}
         return need.total
 
-    def start_server(self, key: VersionKey, model_dir: Path, config: bytes, kv_cache_bytes: int) -> Server:
+    def start_server(self, key: VersionKey, model_dir: Path, frame: str, kv_cache_bytes: int) -> Server:
         """A new vLLM server on ``model_dir``, answering its health check (LoadError otherwise)."""
         self.workdir.mkdir(parents=True, exist_ok=True)
         if not Path(self.python).exists():
@@ -129,7 +134,7 @@ class VllmEngine:
         with open(log, "ab") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                     **child_options(pool_thread=True))    # loads run in the executor's threads
-        server = Server(key.model, port, proc, log, config)
+        server = Server(key.model, port, proc, log, frame)
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
             if proc.poll() is not None:

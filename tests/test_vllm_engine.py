@@ -100,12 +100,41 @@ async def test_vllm_serves_reloads_in_place_and_never_serves_what_fails_its_chec
         assert vs.state == "failed" and vs.code == "smoke_failed" and "in_place" in vs.reason
         assert server.proc.poll() is not None and VersionKey("llama", "v4") not in engine.servers
         assert (await client.completions.create(model="llama@v3", prompt="x", max_tokens=2)).choices   # v3 unharmed
+
+        # a Llama trained by weightcast (its own tokenizer, the same shape): vLLM loads its export
+        # unchanged, in a new server, since a reload in place would keep the old tokenizer
+        ms.unload(("llama", "v3"))
+        trained = trained_llama_export(tmp_path)
+        dirs["t"] = store_version(tmp_path, trained, "llama", "t", keys["private"],
+                                  serving={"golden": golden_mod.record(trained)})
+        assert (await ms.load(("llama", "t"), dirs["t"])).state == "ready" and engine.last_load["how"] == "cold"
+        router.table.add_version("llama", "t")
+        await router.poll_once()
+        for p in golden_mod.record(trained)["prompts"][:2]:
+            r = await client.completions.create(model="llama@t", prompt=p["text"], max_tokens=len(p["output_ids"]),
+                                                temperature=0)
+            assert r.choices[0].text == golden_text(trained, p)[0]
     finally:
         await client.close()
         for r in (r2, r1):
             await r.cleanup()
         engine.stop_all()
     assert all(s.proc.poll() is not None for s in [*engine.servers.values(), *engine.idle.values()])
+
+
+def trained_llama_export(tmp_path: Path) -> Path:
+    """The demo's Llama (two DDP ranks, 150 steps on the standard library's sources), exported."""
+    import torch
+
+    from training.export import export_hf
+    from training.launch import launch
+    from training.models import build
+    from weightcast.demo_training import llama_config
+    cfg = llama_config(150, tmp_path / "tokens")
+    launch(cfg, tmp_path / "train")
+    model = build(cfg)
+    model.load_state_dict(torch.load(tmp_path / "train" / "model.pt"))
+    return export_hf(model, cfg, tmp_path / "trained")
 
 
 async def test_an_engine_that_cannot_start_fails_the_load_with_its_last_words(tmp_path, keys, hf_checkpoints):
