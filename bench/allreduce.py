@@ -4,8 +4,9 @@ The ranks run inside a private network namespace (``unshare -rn``, no privileges
 loopback is rate-limited with ``tc qdisc ... tbf``: every byte between ranks crosses that one limited
 loopback, so all ranks share one link of ``--link`` (a real fleet gives each host its own). For each
 method (and plain all-reduce without overlap, and with 1 MB buckets), in one run: bytes each rank hands to the process group per step, step time, loss after the
-same number of steps, and wall time until the loss plain all-reduce reaches after ``--steps`` (every
-method may run up to twice as many steps to get there). Plain all-reduce's bus bandwidth,
+same number of steps, and training time until the loss plain all-reduce reaches after ``--steps``
+(every method may run up to twice as many steps to get there): on the training loss of each step,
+and on the held-out loss evaluated about eight times up to ``--steps`` (evaluations not timed). Plain all-reduce's bus bandwidth,
 2(n-1)/n * S / t, is timed apart on bare ``all_reduce`` calls of the gradient's size (inside a step
 it overlaps backward and cannot be separated); on the shared loopback the best possible is link / n
 (n ranks' ring traffic all crosses it), reported as ``shared_link_busbw_bound``.
@@ -42,8 +43,13 @@ def method_config(ranks: int, steps: int, overrides: list[str], comm: str = "all
                   extra: list[str] = ()) -> TrainConfig:
     """One method's run: the benchmark's model, the caller's overrides, up to twice ``steps`` steps.
     Raises ConfigError (so the CLI can refuse bad settings before entering the namespace)."""
-    return TrainConfig.load(None, [*DEFAULT_MODEL, *overrides, *extra, "layout=ddp", f"world_size={ranks}",
-                                   f"comm={comm}", f"steps={2 * steps}"])
+    return TrainConfig.load(None, [*DEFAULT_MODEL, f"eval_every={eval_every(steps)}", *overrides, *extra,
+                                   "layout=ddp", f"world_size={ranks}", f"comm={comm}", f"steps={2 * steps}"])
+
+
+def eval_every(steps: int) -> int:
+    """Held-out evaluations: about eight up to ``steps``, one exactly at ``steps``."""
+    return next(e for e in range(max(1, steps // 8), steps + 1) if steps % e == 0)
 
 
 class NamespaceError(RuntimeError):
@@ -80,6 +86,14 @@ def _time_to(losses: list[float], step_s: list[float], target: float) -> float |
     return None
 
 
+def _time_to_eval(evals: list, step_s: list[float], target: float) -> float | None:
+    """Training time (the steps' own, evaluations excluded) until the held-out loss is at ``target``."""
+    for step, loss in evals:
+        if loss <= target:
+            return round(sum(step_s[:step]), 3)
+    return None
+
+
 def _busbw_rank(rank: int, world: int, nbytes: int, out_dir: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             init_method=f"file://{Path(out_dir, 'rendezvous').resolve()}")
@@ -109,6 +123,7 @@ def inside(ranks: int, link_bps: float, steps: int, overrides: list[str]) -> dic
         runs[name] = launch(method_config(ranks, steps, overrides, comm, extra))
     plain = runs["allreduce"]
     target = plain["losses"][steps - 1]                      # where plain all-reduce is after --steps
+    eval_target = dict(plain["eval_losses"])[steps]          # and its held-out loss there
     grad_bytes = plain["sent_bytes_per_step_per_rank"]
     ring = 2 * (ranks - 1) / ranks
     t_comm = allreduce_seconds(ranks, int(grad_bytes))
@@ -119,12 +134,17 @@ def inside(ranks: int, link_bps: float, steps: int, overrides: list[str]) -> dic
                      "step_s_median": round(r["step_s_median"], 4), "loss_first": round(r["loss_first"], 4),
                      "loss_after_steps": round(r["losses"][steps - 1], 4),
                      "time_to_target_s": _time_to(r["losses"], r["step_s"], target),
+                     "eval_loss_after_steps": round(dict(r["eval_losses"])[steps], 4),
+                     "time_to_eval_target_s": _time_to_eval(r["eval_losses"], r["step_s"], eval_target),
                      "tokens_per_s": round(r["tokens_per_s"], 1)})
-    base_t = rows[0]["time_to_target_s"]
+    base_t, base_e = rows[0]["time_to_target_s"], rows[0]["time_to_eval_target_s"]
     for row in rows:
         row["speedup_to_target"] = round(base_t / row["time_to_target_s"], 3) if row["time_to_target_s"] else None
+        row["speedup_to_eval_target"] = (round(base_e / row["time_to_eval_target_s"], 3)
+                                         if row["time_to_eval_target_s"] else None)
     busbw = ring * grad_bytes / t_comm if t_comm > 0 else None
     return {"ranks": ranks, "link_bytes_per_s": link_bps, "steps": steps, "target_loss": round(target, 4),
+            "eval_target_loss": round(eval_target, 4),
             "gradient_bytes": grad_bytes, "ring_bound_s": round(ring * grad_bytes / link_bps, 4),
             "allreduce_s": round(t_comm, 4), "allreduce_busbw_bytes_per_s": busbw and round(busbw),
             "shared_link_busbw_bound": round(link_bps / ranks),

@@ -162,6 +162,9 @@ def test_bench_allreduce_runs_every_method_on_a_rate_limited_link(capsys):
     assert rows["int8_ef"]["bytes_vs_allreduce"] < 0.26 and rows["topk_ef"]["bytes_vs_allreduce"] < 0.03
     assert r["link_bytes_per_s"] == 50e6 and r["ring_bound_s"] == round(r["gradient_bytes"] / 50e6, 4)
     assert all(row["step_s_median"] > 0 for row in rows.values())
+    # the held-out loss, evaluated along the way: plain all-reduce reaches its own target when it is there
+    assert rows["allreduce"]["eval_loss_after_steps"] == r["eval_target_loss"]
+    assert rows["allreduce"]["speedup_to_eval_target"] == 1 and all(row["eval_loss_after_steps"] > 0 for row in rows.values())
 
 
 def test_bench_rebalance_gives_the_slow_rank_less_and_keeps_the_same_training(capsys):

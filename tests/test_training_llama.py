@@ -159,12 +159,23 @@ def test_bf16_layouts_stay_as_close_to_fp32_as_bf16_itself(tmp_path, single_llam
                 max((a[k] - b[k]).abs().max().item() for k in a))
     bound = [1.6 * g for g in gap(ref, a16)]
     assert bound[0] > 1e-3                                 # bf16 really ran: it is not fp32
-    for layout in ("ddp", "fsdp", "tp"):
+    for layout in ("ddp", "fsdp", "tp", "pp"):
         res = launch(TrainConfig.load(None, [*LLAMA, f"layout={layout}", "world_size=2", "cpu_threads=1",
                                              "precision=bf16"]), tmp_path / layout)
         got = gap(res, torch.load(tmp_path / layout / "model.pt"))
         assert got[0] <= bound[0] and got[1] <= bound[1], (layout, got, bound)
         assert res["losses"][-1] < res["losses"][0] - 0.3
+
+
+def test_a_slow_rank_gets_less_of_the_batch_and_the_llama_trains_the_same(tmp_path, single_llama):
+    """Rebalancing on the Llama: rank 1 computes 3x slower, its share of each step shrinks, and the
+    weighted loss keeps the gradient the batch mean: the same training as one process."""
+    single, a = single_llama
+    res = launch(TrainConfig.load(None, [*LLAMA, "layout=ddp", "world_size=2", "cpu_threads=1", "rebalance=true",
+                                         'slow_ranks={"1": 3}']), tmp_path / "run")
+    fast, slow = res["samples_per_step_by_rank"]
+    assert slow < fast and fast + slow == 8
+    assert max(abs(x - y) for x, y in zip(single["losses"], res["losses"])) < 1e-4
 
 
 @pytest.mark.parametrize("layout", ["ddp", "fsdp", "tp"])

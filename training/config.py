@@ -82,6 +82,9 @@ class TrainConfig:
     data_cache: str = ""             # tokenized corpora, by content hash (empty: ~/.cache/weightcast/tokens)
     eval_fraction: float = 0.01      # with data: the tail of the tokens held out for the eval loss
     log_every: int = 10
+    # every rank evaluates the held-out loss every N steps and after the last (0: not during the run); its
+    # time is not in the step times
+    eval_every: int = 0
     out: str = ""                    # where the result (losses, bytes) is written; empty: not written
 
     # ------------------------------------------------------------------ checks
@@ -116,7 +119,7 @@ class TrainConfig:
             out.append(f"optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
         ints = {"world_size": (1, 1024), "global_batch": (1, 1 << 20), "seq_len": (2, 1 << 16), "steps": (1, 1 << 30),
                 "sync_every": (1, 1 << 20), "log_every": (1, 1 << 30), "tp_degree": (1, 1024),
-                "microbatches": (1, 1 << 16), "powersgd_rank": (1, 1 << 16)}
+                "microbatches": (1, 1 << 16), "powersgd_rank": (1, 1 << 16), "eval_every": (0, 1 << 30)}
         for name, (lo, hi) in ints.items():
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
@@ -167,6 +170,8 @@ class TrainConfig:
                        "(the 2-D mesh is data x tensor)")
         if self.activation_checkpointing and self.family == "reference":
             out.append("activation_checkpointing is transformers' own: a llama, qwen2 or mistral family")
+        if self.eval_every and self.layout == "pp":
+            out.append("eval_every needs the whole model's forward on one rank; pp stages hold parts: eval_every=0")
         if self.compile and self.layout == "pp":
             out.append("compile compiles decoder layers in place; pp stages run them eagerly: compile=false with pp")
         if self.layout == "pp":
@@ -278,6 +283,9 @@ def _adopt_init_from(d: dict) -> dict:
                  "max_seq": hf["max_position_embeddings"]}
     except KeyError as e:
         raise ConfigError(f"init_from {src}: config.json has no {e.args[0]}") from None
+    if hf.get("tie_word_embeddings") and d.get("layout") == "pp":
+        raise ConfigError(f"init_from {src} ties its input and output embeddings, which pp would put on different "
+                          "stages: use another layout")
     given = d.get("model") if isinstance(d.get("model"), dict) else {}
     adopted = {"family": family, "kv_heads": hf.get("num_key_value_heads") or sizes["n_heads"]}
     clashes = [f"model.{k}={given[k]} (its config says {v})" for k, v in sizes.items() if k in given and given[k] != v]

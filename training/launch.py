@@ -151,7 +151,7 @@ def launch(cfg: TrainConfig, out_dir: Path | None = None, timeout_s: float | Non
     summary = {"layout": cfg.layout, "comm": cfg.comm, "world_size": cfg.world_size, "device": ranks[0]["device"],
                "steps": steps, "loss_first": loss[0], "loss_last": loss[-1],
                "loss_floor": source.entropy_floor(),
-               "losses": loss, "sent_bytes_per_step_per_rank": None if ranks[0]["sent_bytes"] is None else
+               "losses": loss, "eval_losses": ranks[0]["eval_losses"], "sent_bytes_per_step_per_rank": None if ranks[0]["sent_bytes"] is None else
                statistics.mean(statistics.mean(r["sent_bytes"][steady]) for r in ranks),
                "step_s": step_s, "step_s_median": statistics.median(step_s[steady]),
                "tokens_per_s": tokens / median_s,

@@ -147,7 +147,7 @@ def run_rank(rank: int, cfg_dict: dict, out_dir: str, durable: dict | None = Non
             start = ckpt.last_complete = sampler.next_step
         ckpt.set_aside_after(start)
         startup["loaded"] = time.time()
-    losses, sent, step_s, samples = [], [], [], []
+    losses, sent, step_s, samples, evals = [], [], [], [], []
     # one step in every log_every profiled for its communication time (kineto's own lines to a side file)
     comm = CommTimer(cfg.log_every, device, first=start + 2, log=str(Path(out_dir, f"rank{rank}.profiler.log")))
 
@@ -222,6 +222,9 @@ def run_rank(rank: int, cfg_dict: dict, out_dir: str, durable: dict | None = Non
                                     "comm_s": comm.samples[-1][1] if comm.samples else None}) + "\n")
         sent.append(state.sent_bytes - before)
         samples.append(mine)
+        if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
+            # every rank: a collective under fsdp/tp (after the step's timing: not training work)
+            evals.append((step + 1, held_out_loss(core, cfg, device, sampler.source)))
         if durable:
             ckpt.poll()
             every_s = durable.get("every_s") or 0
@@ -252,7 +255,7 @@ def run_rank(rank: int, cfg_dict: dict, out_dir: str, durable: dict | None = Non
               "sent_bytes": sent if counted else None, "step_s": step_s, "samples": samples,
               "rates": balancer.rates if balancer else None, "next_step": sampler.next_step,
               "first_step": start, "save_stall_s": stalls, "held_out_loss": eval_loss, "paused": paused,
-              "param_bytes": _local_bytes(core), "comm_samples": comm.samples}
+              "param_bytes": _local_bytes(core), "comm_samples": comm.samples, "eval_losses": evals}
     full = pipe.full_state_dict() if pipe else full_state_dict(model, cfg)   # a collective: every rank calls it
     # the whole run's traffic, the gathering of the final weights included, while the connections are open
     record["wire_bytes_sent"] = tcp_bytes_sent(os.getpid()) if world > 1 else 0

@@ -320,6 +320,8 @@ async def _enter_pressed() -> None:
 
 def cmd_demo(a) -> int:
     from weightcast.demo import run_demo
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()       # every checkpoint load would draw a bar between the demo's lines
     print(f"weightcast demo: Temporal dev server + SeaweedFS + {a.hosts} hosts (peerd, model server, host worker) "
           f"+ router on 127.0.0.1; a ~{a.size >> 20} MiB transformer"
           + (f", and a Llama trained for {a.train_steps} steps" if a.train_steps else "")
