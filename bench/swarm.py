@@ -1,7 +1,12 @@
-"""`weightcast bench swarm`: real peerd processes on 127.0.0.1, the origin in SeaweedFS.
+"""`weightcast bench swarm`: real peerd processes, the origin in SeaweedFS.
 
-Every host is rate-limited to R up and down; origin reads are limited to R in total (R / seeders per
-seeding host, as one seed host's link would be). Time runs from the moment all hosts are told to
+On loopback (the default) every host is rate-limited to R up and down by peerd's own pacer; origin
+reads are limited to R in total (R / seeders per seeding host, as one seed host's link would be).
+With ``--netns`` every host and the origin get a network namespace of their own behind a link the
+kernel shapes to R both ways, hosts in ``--racks`` racks whose uplinks may be oversubscribed
+(lib/netns.py); peerd runs unpaced, so the kernel and TCP set the pace. The controller (this
+benchmark) then runs in the topology's control namespace. Faults there are the network's: a rack
+partitioned from the spine for a while, a host's link down for a while. Time runs from the moment all hosts are told to
 fetch (daemons already up and gossiping) to each host holding the whole verified checkpoint.
 Reported besides: the daemons' and the origin's CPU per GiB (from /proc), the daemons' split into the
 stages their stores meter (allocate, hash, write; the rest is "other"), and, with ``warm_pages``,
@@ -10,10 +15,13 @@ what writing the hosts' bytes cost before the clock, on memory the VM had not to
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import secrets
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -25,6 +33,7 @@ from peerd import manifest as mf
 from peerd.client import PeerdClient
 from peerd.origin import OriginSpec, S3Origin
 from bench.throughput import cpu_seconds, stage_cpu, write_cpu_s_per_gib
+from lib.netns import PAYLOAD_SHARE, Topology
 from peerd.signing import generate_keypair, load_private_key
 from weightcast.checkpoint_random import write_random_checkpoint
 from weightcast.stack.peerd_proc import PeerdProc, fleet_args
@@ -49,6 +58,12 @@ class SwarmBenchConfig:
     checkpoint: Callable[[Path], Path] | None = None   # writes the checkpoint; default random bytes
     model: str = "bench"
     version: str = "v1"
+    netns: bool = False                    # hosts in namespaces on kernel-shaped links (lib/netns.py)
+    racks: int = 1                         # netns: hosts split evenly over this many racks
+    oversubscription: float = 1.0          # netns: rack uplink = rack hosts x R / this
+    partition_s: float = 0.0               # netns: the last rack cut from the spine this long, from 0.3 x S/R
+    link_down_s: float = 0.0               # netns: the last host's link down this long, from 0.3 x S/R
+    loss: float = 0.0                      # netns: share of packets each host and the origin drop on arrival
 
 
 def _verify_host(store: Path, m: mf.Manifest) -> tuple[bool, int]:
@@ -67,8 +82,34 @@ def _verify_host(store: Path, m: mf.Manifest) -> tuple[bool, int]:
 
 
 async def run_swarm_bench(cfg: SwarmBenchConfig, progress=None) -> dict:
+    if cfg.netns:
+        return await asyncio.to_thread(_in_topology, cfg)
+    return await _run(cfg, None, progress)
+
+
+def _in_topology(cfg: SwarmBenchConfig) -> dict:
+    """Build the topology, run the benchmark's controller inside its control namespace, tear it down."""
+    if cfg.checkpoint is not None:
+        raise ValueError("--netns runs the benchmark in another process: a random checkpoint only")
+    if cfg.racks < 1 or cfg.hosts % cfg.racks:
+        raise ValueError(f"{cfg.hosts} hosts do not split evenly over {cfg.racks} racks")
+    per_rack = cfg.hosts // cfg.racks
+    with Topology([per_rack] * cfg.racks, cfg.rate, cfg.rate, cfg.oversubscription, control=True,
+                  loss=cfg.loss) as net:
+        spec = {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(cfg).items()
+                if k != "checkpoint"}
+        proc = subprocess.run(net.controller.run(sys.executable, "-m", "bench.swarm", "--inside",
+                                                 json.dumps({"cfg": spec, "net": net.describe()})),
+                              capture_output=True, text=True, timeout=cfg.timeout + 300)
+        if proc.returncode != 0:
+            raise RuntimeError(f"the benchmark's controller failed ({proc.returncode}): {proc.stderr[-3000:]}")
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+async def _run(cfg: SwarmBenchConfig, net: Topology | None, progress=None) -> dict:
     work = Path(cfg.workdir or tempfile.mkdtemp(prefix="wc-bench-"))
-    s3 = SeaweedS3(work / "s3").start()
+    s3 = (SeaweedS3(work / "s3", ip=net.origin.addr, prefix=tuple(net.origin.run())) if net else
+          SeaweedS3(work / "s3")).start()
     procs: list[PeerdProc] = []
     try:
         ckpt = cfg.checkpoint(work / "ckpt") if cfg.checkpoint else write_random_checkpoint(work / "ckpt", cfg.size, files=3)
@@ -82,6 +123,7 @@ async def run_swarm_bench(cfg: SwarmBenchConfig, progress=None) -> dict:
         token = secrets.token_hex(16)
         ids = [f"h{i}" for i in range(cfg.hosts)]
         ports = dict(zip(ids, free_ports(cfg.hosts)))
+        place = {h.name: h for h in net.hosts} if net else {}      # netns: each host's namespace and address
         corrupt = set(ids[1:1 + cfg.corrupt_peers])
         seeders = [i for i in ids if i not in corrupt]
         for i in ids:
@@ -92,9 +134,16 @@ async def run_swarm_bench(cfg: SwarmBenchConfig, progress=None) -> dict:
                 extra += ["--have-interval", str(cfg.have_interval)]
             if not cfg.have_stream:
                 extra += ["--no-have-stream"]
-            args = fleet_args(i, ports, token=token, trusted_key=work / "key.pub", rate=cfg.rate,
-                              origin_rate=cfg.rate / len(seeders), extra=extra)
-            procs.append(PeerdProc(i, ports[i], work / "hosts" / i / "store", args, env=s3.env()))
+            if net:                    # unpaced: the kernel-shaped links are the limit
+                args = fleet_args(i, ports, token=token, trusted_key=work / "key.pub", rate=None, origin_rate=None,
+                                  extra=extra, hosts={h: place[h].addr for h in ids},
+                                  racks={h: f"r{place[h].rack}" for h in ids})
+                procs.append(PeerdProc(i, ports[i], work / "hosts" / i / "store", args, env=s3.env(),
+                                       host=place[i].addr, prefix=place[i].run()))
+            else:
+                args = fleet_args(i, ports, token=token, trusted_key=work / "key.pub", rate=cfg.rate,
+                                  origin_rate=cfg.rate / len(seeders), extra=extra)
+                procs.append(PeerdProc(i, ports[i], work / "hosts" / i / "store", args, env=s3.env()))
         for p in procs:
             p.start()
         await asyncio.sleep(1.5)   # let gossip introduce everyone before the clock starts
@@ -107,6 +156,8 @@ async def run_swarm_bench(cfg: SwarmBenchConfig, progress=None) -> dict:
         stages0 = {p.id: await stage_cpu(c) for p, c in zip(procs, clients)}
         cpu0 = {p.id: cpu_seconds(p.proc.pid) for p in procs}
         origin_cpu0 = cpu_seconds(s3.proc.pid)
+        rack_in0 = [net.tx_bytes(f"s{k}") for k in range(cfg.racks)] if net and cfg.racks > 1 else []
+        faults = _Faults(cfg, net, m.total_size / cfg.rate)
         t0 = time.time()
         await asyncio.gather(*(c.start_job(signed, origin, seeders) for c in clients))
         lower = m.total_size / cfg.rate
@@ -122,12 +173,14 @@ async def run_swarm_bench(cfg: SwarmBenchConfig, progress=None) -> dict:
                 for v in victims:
                     v.kill()
                     killed.add(v.id)
+            faults.at(now)
             for p in procs:
                 if p.id not in killed and p.id not in crashed and (death := p.death()) is not None:
                     crashed[p.id] = death
             gone = killed | set(crashed)
-            sts = await asyncio.gather(*(c.job(m.digest) for p, c in zip(procs, clients) if p.id not in gone),
-                                       return_exceptions=True)
+            # a bounded poll: a partitioned host's request must not hold up the loop (and so the healing)
+            sts = await asyncio.gather(*(asyncio.wait_for(c.job(m.digest), 2.0) for p, c in zip(procs, clients)
+                                         if p.id not in gone), return_exceptions=True)
             for p, st in zip([p for p in procs if p.id not in gone], sts):
                 if isinstance(st, dict):
                     last[p.id] = st
@@ -142,8 +195,10 @@ async def run_swarm_bench(cfg: SwarmBenchConfig, progress=None) -> dict:
                 timed_out = True
                 break
             await asyncio.sleep(0.1)
+        faults.heal()
         survivors = [i for i in ids if i not in killed and i not in crashed]
         wall = time.time() - t0
+        rack_in = [net.tx_bytes(f"s{k}") - b for k, b in enumerate(rack_in0)]
         # where the machine's CPU went: the daemons' own time (from /proc) and their gossip rate
         peerd_cpu = sum(cpu_seconds(p.proc.pid) - cpu0[p.id] for p in procs if p.id in survivors and p.running)
         origin_cpu = cpu_seconds(s3.proc.pid) - origin_cpu0
@@ -166,7 +221,21 @@ async def run_swarm_bench(cfg: SwarmBenchConfig, progress=None) -> dict:
         checks = {i: _verify_host(work / "hosts" / i / "store", m) for i in survivors
                   if i not in corrupt and i not in failed}
         pct = lambda q: times[min(len(times) - 1, int(q * len(times)))] if times else None
-        return {"hosts": cfg.hosts, "size": m.total_size, "version_id": m.digest, "workdir": str(work), "rate": cfg.rate, "chunk": cfg.chunk, "chunks": len(m.chunks),
+        by_rack = {k: [i for i in ids if place[i].rack == k] for k in range(cfg.racks)} if net else {}
+        net_res = {} if not net else {
+            "netns": True, "racks": cfg.racks, "oversubscription": cfg.oversubscription,
+            "partition_s": cfg.partition_s, "link_down_s": cfg.link_down_s, "loss": cfg.loss, "faults": faults.log,
+            # the kernel-shaped link carries headers too: T* on payload alone
+            "payload_share": PAYLOAD_SHARE, "lower_bound_payload_s": lower / PAYLOAD_SHARE,
+            "ratio_payload": (times[-1] / (lower / PAYLOAD_SHARE)) if times else None,
+            # copies of the checkpoint entering each rack from the spine (kernel counters, payload
+            # share applied), and those that came from other racks' hosts rather than the origin
+            "rack_ingress_copies": [round(b * PAYLOAD_SHARE / m.total_size, 3) for b in rack_in],
+            "cross_rack_copies_per_rack": [
+                round(max(0.0, rack_in[k] * PAYLOAD_SHARE - sum(last[i]["bytes_by_source"]["origin"]
+                                                                for i in by_rack[k] if i in last)) / m.total_size, 3)
+                for k in range(len(rack_in))]}
+        return {**net_res,"hosts": cfg.hosts, "size": m.total_size, "version_id": m.digest, "workdir": str(work), "rate": cfg.rate, "chunk": cfg.chunk, "chunks": len(m.chunks),
                 "killed": sorted(killed), "corrupt_peers": sorted(corrupt), "failed": failed,
                 "crashed": crashed, "timed_out": timed_out, "deadline_s": cfg.timeout,
                 "incomplete": {i: {"state": last[i]["state"] if i in last else "unknown",
@@ -192,7 +261,10 @@ async def run_swarm_bench(cfg: SwarmBenchConfig, progress=None) -> dict:
                 "warm_pages": cfg.warm_pages, "write_cold_cpu_s_per_gib": cold_write,
                 "origin_cpu_s": origin_cpu,
                 "origin_cpu_s_per_gib_served": origin_cpu / max(1e-9, origin_bytes / 2**30),
-                "machine_cores": os.cpu_count()}
+                "machine_cores": os.cpu_count(),
+                # bytes received beyond one copy: a verified chunk fetched again (must be 0)
+                "refetched_bytes": sum(max(0, sum(last[i]["bytes_by_source"].values()) - m.total_size)
+                                       for i in survivors if i in last)}
     finally:
         for p in procs:
             p.stop()
@@ -201,5 +273,49 @@ async def run_swarm_bench(cfg: SwarmBenchConfig, progress=None) -> dict:
             shutil.rmtree(work, ignore_errors=True)
 
 
+class _Faults:
+    """The network faults of a netns run, started at 0.3 x S/R and healed after their duration."""
+
+    def __init__(self, cfg: SwarmBenchConfig, net: Topology | None, lower: float):
+        self.cfg, self.net, self.start = cfg, net, 0.3 * lower
+        self.log: list[dict] = []
+        self.active: list[tuple[float, str]] = []         # (heal at, which)
+
+    def at(self, now: float) -> None:
+        if self.net is None:
+            return
+        if not self.log and now >= self.start:
+            if self.cfg.partition_s:
+                self.net.rack_uplink(self.cfg.racks - 1, False)
+                self.active.append((now + self.cfg.partition_s, "partition"))
+                self.log.append({"t": round(now, 2), "event": f"rack {self.cfg.racks - 1} partitioned"})
+            if self.cfg.link_down_s:
+                self.net.link(self.net.hosts[-1], False)
+                self.active.append((now + self.cfg.link_down_s, "link"))
+                self.log.append({"t": round(now, 2), "event": f"{self.net.hosts[-1].name}'s link down"})
+        for heal_at, which in [a for a in self.active if now >= a[0]]:
+            self._heal(which, now)
+
+    def _heal(self, which: str, now: float | None) -> None:
+        self.active = [a for a in self.active if a[1] != which]
+        if which == "partition":
+            self.net.rack_uplink(self.cfg.racks - 1, True)
+        else:
+            self.net.link(self.net.hosts[-1], True)
+        self.log.append({"t": None if now is None else round(now, 2), "event": f"{which} healed"})
+
+    def heal(self) -> None:
+        for _, which in list(self.active):
+            self._heal(which, None)
+
+
 def main_json(cfg: SwarmBenchConfig) -> str:
     return json.dumps(asyncio.run(run_swarm_bench(cfg)), indent=1)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--inside":       # the controller, inside the control namespace
+        a = json.loads(sys.argv[2])
+        inner = SwarmBenchConfig(**{**a["cfg"], "netns": False,
+                                    "workdir": Path(a["cfg"]["workdir"]) if a["cfg"]["workdir"] else None})
+        print(json.dumps(asyncio.run(_run(inner, Topology.view(a["net"])))))

@@ -116,7 +116,10 @@ def _swarm_config(a):
     return SwarmBenchConfig(hosts=a.hosts, size=a.size, rate=a.rate, chunk=a.chunk, kill=a.kill,
                             corrupt_peers=a.corrupt_peers, max_uploads=a.max_uploads,
                             have_interval=a.have_interval, have_stream=a.have_stream, timeout=deadline,
-                            warm_pages=a.warm_pages)
+                            warm_pages=a.warm_pages, **{k: getattr(a, k) for k in NETNS_FLAGS if hasattr(a, k)})
+
+
+NETNS_FLAGS = ("netns", "racks", "oversubscription", "partition_s", "link_down_s", "loss")
 
 
 def cmd_bench_swarm(a) -> int:
@@ -731,6 +734,17 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks (print JSON)").add_subparsers(dest="sub", required=True)
     bs = bench.add_parser("swarm", help="real peerd processes on loopback, origin in SeaweedFS")
     _swarm_flags(bs, hosts=8, size="256M", rate="16M", chunk="1M", kill=0, corrupt=0)
+    bs.add_argument("--netns", action="store_true",
+                    help="each host and the origin in a network namespace behind a kernel-shaped link (root only)")
+    bs.add_argument("--racks", type=positive_int, default=1, help="--netns: hosts split evenly over racks")
+    bs.add_argument("--oversubscription", type=float, default=1.0,
+                    help="--netns: a rack's uplink carries its hosts x rate / this")
+    bs.add_argument("--partition", dest="partition_s", type=float, default=0.0,
+                    help="--netns: cut the last rack from the spine for this many seconds, from 0.3 x S/R")
+    bs.add_argument("--link-down", dest="link_down_s", type=float, default=0.0,
+                    help="--netns: the last host's link down for this many seconds, from 0.3 x S/R")
+    bs.add_argument("--loss", type=float, default=0.0,
+                    help="--netns: share of packets each host drops on arrival, e.g. 0.01 (nftables: make netns-tools)")
     bs.set_defaults(fn=cmd_bench_swarm)
 
     bm = bench.add_parser("manifest", help="manifest cost at real chunk counts: parse, verify, layout, status; time and RSS")

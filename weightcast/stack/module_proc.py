@@ -20,6 +20,7 @@ class ModuleProc:
     args: list[str] = field(default_factory=list)
     env: dict = field(default_factory=dict)
     proc: subprocess.Popen | None = None
+    prefix: list[str] = field(default_factory=list)   # e.g. ["ip", "netns", "exec", NS]: run it inside NS
 
     @property
     def _slug(self) -> str:
@@ -38,7 +39,7 @@ class ModuleProc:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._ready = self.workdir / f"{self._slug}.ready"
         self._ready.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", self.module, *self.args, "--ready-file", str(self._ready)]
+        cmd = [*self.prefix, sys.executable, "-m", self.module, *self.args, "--ready-file", str(self._ready)]
         with open(self.log_path, "ab") as log:   # the child keeps its own descriptor
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
                                          **child_options())

@@ -7,22 +7,32 @@ from weightcast.stack.module_proc import ModuleProc
 
 
 class PeerdProc(ModuleProc):
-    def __init__(self, id: str, port: int, store: Path, args: list[str] = (), env: dict | None = None):
+    """``host``: the address it listens on; ``prefix``: what runs it (``ip netns exec NS``: a host of a
+    lib/netns.py topology)."""
+
+    def __init__(self, id: str, port: int, store: Path, args: list[str] = (), env: dict | None = None,
+                 host: str = "127.0.0.1", prefix: list[str] = ()):
+        listen = ["--listen", host] if host != "127.0.0.1" else []
         super().__init__(f"peerd {id}", "peerd", store.parent,
-                         ["--id", id, "--store", str(store), "--port", str(port), *args], dict(env or {}))
-        self.id, self.port, self.store = id, port, store
+                         ["--id", id, "--store", str(store), "--port", str(port), *listen, *args], dict(env or {}),
+                         prefix=list(prefix))
+        self.id, self.port, self.store, self.host = id, port, store, host
         self.store.mkdir(parents=True, exist_ok=True)
 
     @property
     def addr(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
 
 def fleet_args(me: str, ports: dict[str, int], *, token: str, trusted_key: Path, rate: float | None,
-               origin_rate: float | None, rack: str = "", extra: list[str] = ()) -> list[str]:
-    args = ["--token", token, "--trusted-key", str(trusted_key), "--rack", rack,
+               origin_rate: float | None, rack: str = "", extra: list[str] = (), hosts: dict[str, str] | None = None,
+               racks: dict[str, str] | None = None) -> list[str]:
+    """Every peer as a seed; ``hosts`` (id -> address, default loopback) and ``racks`` (id -> rack,
+    default ``rack`` for all) place them on a real network."""
+    hosts, racks = hosts or {}, racks or {}
+    args = ["--token", token, "--trusted-key", str(trusted_key), "--rack", racks.get(me, rack),
             "--upload-rate", str(rate or 0), "--download-rate", str(rate or 0), "--origin-rate", str(origin_rate or 0)]
     for other, port in ports.items():
         if other != me:
-            args += ["--peer", f"{other}=http://127.0.0.1:{port}@{rack}"]
+            args += ["--peer", f"{other}=http://{hosts.get(other, '127.0.0.1')}:{port}@{racks.get(other, rack)}"]
     return args + list(extra)

