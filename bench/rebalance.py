@@ -7,10 +7,15 @@ T); the last rank slowed by ``--slowdown`` (an injected delay proportional to it
 fleet's capacity is (N - 1 + 1/f) ranks, so the best step time is T * N / (N - 1 + 1/f) (for f = 2,
 N / (N - 1/2)); equal shares make every step wait for the slow rank, about f * T. Step times are the
 median of the slowest rank's step over the steady steps and include everything a step does (making
-the batch, forward, backward with its gradient reduction, optimiser step, the rate exchange).
+the batch, forward, backward with its gradient reduction, optimiser step, the rate exchange). With
+``--link`` each rank runs in its own network namespace behind a link the kernel shapes to that rate
+(lib/netns.py), so the gradient reduction crosses real, limited links.
 """
 from __future__ import annotations
 
+import contextlib
+
+from lib.netns import Topology
 from training.config import TrainConfig
 from training.launch import launch
 
@@ -24,12 +29,19 @@ def rebalance_config(ranks: int, steps: int, batch_per_rank: int, overrides: lis
                                    f"global_batch={batch_per_rank * ranks}", *extra])
 
 
-def run_rebalance_bench(ranks: int, slowdown: float, steps: int, batch_per_rank: int, overrides: list[str]) -> dict:
+def run_rebalance_bench(ranks: int, slowdown: float, steps: int, batch_per_rank: int, overrides: list[str],
+                        link_bps: float | None = None) -> dict:
     slow = f'slow_ranks={{"{ranks - 1}": {slowdown}}}'
-    runs = {"balanced": launch(rebalance_config(ranks, steps, batch_per_rank, overrides)),
-            "slow_equal_shares": launch(rebalance_config(ranks, steps, batch_per_rank, overrides, [slow])),
-            "slow_rebalanced": launch(rebalance_config(ranks, steps, batch_per_rank, overrides,
-                                                       [slow, "rebalance=true"]))}
+    with contextlib.ExitStack() as stack:
+        netns = None
+        if link_bps:
+            net = stack.enter_context(Topology([ranks], link_bps, link_bps))
+            netns = [h.ns for h in net.hosts]
+        runs = {"balanced": launch(rebalance_config(ranks, steps, batch_per_rank, overrides), netns=netns),
+                "slow_equal_shares": launch(rebalance_config(ranks, steps, batch_per_rank, overrides, [slow]),
+                                            netns=netns),
+                "slow_rebalanced": launch(rebalance_config(ranks, steps, batch_per_rank, overrides,
+                                                           [slow, "rebalance=true"]), netns=netns)}
     t = runs["balanced"]["step_s_median"]
     ideal = t * ranks / (ranks - 1 + 1 / slowdown)
     rows = {name: {"step_s_median": round(r["step_s_median"], 4), "vs_balanced": round(r["step_s_median"] / t, 3),
@@ -37,7 +49,7 @@ def run_rebalance_bench(ranks: int, slowdown: float, steps: int, batch_per_rank:
                    "samples_per_step_by_rank": [round(x, 2) for x in r["samples_per_step_by_rank"]],
                    "loss_last": round(r["loss_last"], 4), "tokens_per_s": round(r["tokens_per_s"], 1)}
             for name, r in runs.items()}
-    return {"ranks": ranks, "slowdown": slowdown, "slow_rank": ranks - 1, "steps": steps,
+    return {"ranks": ranks, "slowdown": slowdown, "slow_rank": ranks - 1, "steps": steps, "link_bytes_per_s": link_bps,
             "global_batch": batch_per_rank * ranks, "ideal_step_s": round(ideal, 4),
             "ideal_vs_balanced": round(ranks / (ranks - 1 + 1 / slowdown), 4), "runs": rows,
             "includes": "whole steps: batch, forward, backward + gradient all-reduce, optimiser, rate exchange",

@@ -231,6 +231,19 @@ class Topology:
         self.down()
 
 
+def enter(ns: str) -> None:
+    """Move the calling thread (and every thread and process it starts from now on) into ``ns``: a
+    rank process calls it first thing, before it opens a socket."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/run/netns/{ns}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, 0x40000000) != 0:              # CLONE_NEWNET
+            raise NetnsError(f"setns({ns}): {os.strerror(ctypes.get_errno())}")
+    finally:
+        os.close(fd)
+
+
 def existing_namespaces() -> set[str]:
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     return {line.split()[0] for line in out.splitlines() if line.strip()}

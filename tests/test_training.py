@@ -8,6 +8,7 @@ import torch
 from serving.model import init_model
 from training.config import ConfigError, TrainConfig
 from training.data import Language, Sampler
+from lib.netns import PAYLOAD_SHARE, existing_namespaces
 from training.launch import RanksHung, launch
 from weightcast.cli import main
 
@@ -148,7 +149,7 @@ def test_train_run_through_the_cli(tmp_path, capsys):
 
 
 def test_bench_allreduce_runs_every_method_on_a_rate_limited_link(capsys):
-    """Through the CLI, inside a private network namespace with a tc-limited loopback (toy size: the
+    """Through the CLI, each rank in its own network namespace behind a tc-shaped link (toy size: the
     numbers are not asserted, only what each row must hold)."""
     tiny = ["model.vocab=64", "model.d_model=32", "model.n_heads=2", "model.d_ff=64", "model.n_layers=1"]
     argv = ["bench", "allreduce", "--ranks", "2", "--link", "400Mbit", "--steps", "4", "--json"]
@@ -161,6 +162,9 @@ def test_bench_allreduce_runs_every_method_on_a_rate_limited_link(capsys):
     assert rows["allreduce_no_overlap"]["bytes_vs_allreduce"] == 1 and rows["powersgd"]["bytes_vs_allreduce"] < 0.5
     assert rows["int8_ef"]["bytes_vs_allreduce"] < 0.26 and rows["topk_ef"]["bytes_vs_allreduce"] < 0.03
     assert r["link_bytes_per_s"] == 50e6 and r["ring_bound_s"] == round(r["gradient_bytes"] / 50e6, 4)
+    assert r["ring_bound_payload_s"] == round(r["gradient_bytes"] / (50e6 * PAYLOAD_SHARE), 4)   # headers aside
+    assert r["busbw_over_ring_bound"] > 0
+    assert not [n for n in existing_namespaces() if n.startswith("wc")]        # the ranks' namespaces are gone
     assert all(row["step_s_median"] > 0 for row in rows.values())
     # the held-out loss, evaluated along the way: plain all-reduce reaches its own target when it is there
     assert rows["allreduce"]["eval_loss_after_steps"] == r["eval_target_loss"]
@@ -172,6 +176,7 @@ def test_bench_rebalance_gives_the_slow_rank_less_and_keeps_the_same_training(ca
     train identically (the weighted gradient is the batch mean whatever the shares). Times not asserted."""
     tiny = ["model.vocab=64", "model.d_model=32", "model.n_heads=2", "model.d_ff=64"]
     assert main(["bench", "rebalance", "--steps", "6", "--batch-per-rank", "4", "--slowdown", "3", "--json",
+                 "--link", "400Mbit",
                  *[x for kv in tiny for x in ("--set", kv)]]) == 0
     r = json.loads(capsys.readouterr().out)
     runs = r["runs"]
@@ -180,6 +185,7 @@ def test_bench_rebalance_gives_the_slow_rank_less_and_keeps_the_same_training(ca
     assert slow < fast and fast + slow == 8
     assert runs["slow_rebalanced"]["loss_last"] == pytest.approx(runs["balanced"]["loss_last"], abs=1e-4)
     assert r["ideal_vs_balanced"] == round(2 / (1 + 1 / 3), 4)
+    assert r["link_bytes_per_s"] == 50e6 and not [n for n in existing_namespaces() if n.startswith("wc")]
 
 
 def test_bench_train_reports_every_layout(capsys):

@@ -42,7 +42,11 @@ class RanksHung(RuntimeError):
     """The ranks did not finish within the launch's timeout; their stacks were dumped to stderr."""
 
 
-def _spawned_rank(rank: int, cfg_dict: dict, out_dir: str) -> None:
+def _spawned_rank(rank: int, cfg_dict: dict, out_dir: str, netns: list[str] | None = None) -> None:
+    if netns:                        # each rank behind its own link (lib/netns.py), before any socket
+        from lib.netns import enter
+        enter(netns[rank])
+        os.environ["GLOO_SOCKET_IFNAME"] = "eth0"
     faulthandler.enable()            # a native abort in a collective still names the Python line
     faulthandler.register(signal.SIGUSR1, all_threads=True)   # and a hung rank its stacks, on request
     route_rank_logs(Path(out_dir), rank)       # torch's per-rank warnings into the run's log, not the terminal
@@ -101,10 +105,11 @@ def _join(ctx, timeout_s: float | None, work: Path) -> None:
 
 
 def launch(cfg: TrainConfig, out_dir: Path | None = None, timeout_s: float | None = None,
-           progress=None) -> dict:
+           progress=None, netns: list[str] | None = None) -> dict:
     """Run the job to the end; raises ConfigError before any process starts if the config cannot run,
     and RanksHung (after dumping every rank's stacks) if it runs past ``timeout_s``. ``progress(update)``
-    is called from a watcher thread with each new ``{step, loss, step_s, t}`` a rank reports."""
+    is called from a watcher thread with each new ``{step, loss, step_s, t}`` a rank reports. ``netns``:
+    one network namespace per rank (a lib/netns.py topology's hosts), each rank's traffic on its link."""
     cfg.check()
     source = source_for(cfg)            # a corpus is tokenized (or found cached) before any rank starts
     work = Path(out_dir or tempfile.mkdtemp(prefix="wc-train-"))
@@ -117,10 +122,10 @@ def launch(cfg: TrainConfig, out_dir: Path | None = None, timeout_s: float | Non
     peak = _peak(cfg)                   # the bound MFU is measured against, before the ranks load the cores
     watcher = _ProgressWatcher(work / "progress.jsonl", progress) if progress else None
     try:
-        if cfg.world_size == 1:
+        if cfg.world_size == 1 and not netns:
             run_rank(0, cfg.to_dict(), str(work))
         else:
-            ctx = mp.start_processes(_spawned_rank, args=(cfg.to_dict(), str(work)), nprocs=cfg.world_size,
+            ctx = mp.start_processes(_spawned_rank, args=(cfg.to_dict(), str(work), netns), nprocs=cfg.world_size,
                                      start_method="spawn", join=False)
             try:
                 _join(ctx, timeout_s, work)

@@ -196,7 +196,7 @@ def cmd_bench_receive(a) -> int:
 def cmd_bench_rebalance(a) -> int:
     from bench.rebalance import rebalance_config, run_rebalance_bench
     rebalance_config(a.ranks, a.steps, a.batch_per_rank, a.set)     # bad settings: exit 2 first
-    res = run_rebalance_bench(a.ranks, a.slowdown, a.steps, a.batch_per_rank, a.set)
+    res = run_rebalance_bench(a.ranks, a.slowdown, a.steps, a.batch_per_rank, a.set, a.link)
     print(json.dumps(res, indent=None if a.json else 1))
     return 0
 
@@ -753,7 +753,7 @@ def build_parser() -> argparse.ArgumentParser:
     bm.add_argument("--json", action="store_true")
     bm.set_defaults(fn=cmd_bench_manifest)
 
-    ba = bench.add_parser("allreduce", help="gradient methods side by side on a rate-limited link (private netns)")
+    ba = bench.add_parser("allreduce", help="gradient methods side by side, each rank behind its own kernel-shaped link (netns)")
     _training_bench_flags(ba, steps=30)
     ba.add_argument("--link", type=parse_rate, default=parse_rate("1Gbit"), help="the link's rate, e.g. 1Gbit")
     ba.set_defaults(fn=cmd_bench_allreduce)
@@ -786,6 +786,8 @@ def build_parser() -> argparse.ArgumentParser:
     _training_bench_flags(br, steps=30)
     br.add_argument("--slowdown", type=float, default=2.0, help="the last rank computes this many times slower")
     br.add_argument("--batch-per-rank", type=int, default=16)
+    br.add_argument("--link", type=parse_rate, default=None,
+                    help="each rank in its own network namespace behind a kernel-shaped link of this rate")
     br.set_defaults(fn=cmd_bench_rebalance)
 
     bt = bench.add_parser("train", help="tokens/s of each parallelism layout, side by side")
