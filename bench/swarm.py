@@ -227,6 +227,9 @@ async def _run(cfg: SwarmBenchConfig, net: Topology | None, progress=None) -> di
             "partition_s": cfg.partition_s, "link_down_s": cfg.link_down_s, "loss": cfg.loss, "faults": faults.log,
             # the kernel-shaped link carries headers too: T* on payload alone
             "payload_share": PAYLOAD_SHARE, "lower_bound_payload_s": lower / PAYLOAD_SHARE,
+            # every rack needs one copy in through its uplink (the origin is on the spine too)
+            "lower_bound_topology_s": _topology_bound(cfg, m.total_size) / PAYLOAD_SHARE,
+            "ratio_topology": (times[-1] * PAYLOAD_SHARE / _topology_bound(cfg, m.total_size)) if times else None,
             "ratio_payload": (times[-1] / (lower / PAYLOAD_SHARE)) if times else None,
             # copies of the checkpoint entering each rack from the spine (kernel counters, payload
             # share applied), and those that came from other racks' hosts rather than the origin
@@ -271,6 +274,12 @@ async def _run(cfg: SwarmBenchConfig, net: Topology | None, progress=None) -> di
         s3.stop()
         if cfg.workdir is None:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def _topology_bound(cfg: SwarmBenchConfig, size: int) -> float:
+    """S over the narrowest rate a copy must cross: a host's link, or a rack's uplink when racks share one."""
+    uplink = cfg.hosts // cfg.racks * cfg.rate / cfg.oversubscription if cfg.racks > 1 else cfg.rate
+    return size / min(cfg.rate, uplink)
 
 
 class _Faults:

@@ -32,6 +32,9 @@ def test_sim_runs_the_policy_objects_with_peerd_flags(capsys):
                  "--seeders", "2", "--fail", "0", "--max-uploads", "4", "--rack-rescue-s", "5", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["survivors"] == 12 and r["ratio"] >= 1.0 and r["origin_copies"] == 1.0
+    # it models no uplinks, so an oversubscribed rack would come out faster than its uplink allows: refused
+    assert main(["sim", "--engine", "policies", "--hosts", "8", "--racks", "4", "--oversubscription", "4"]) == 2
+    assert "use --engine fleet" in capsys.readouterr().err
 
 
 def test_demo_end_to_end():

@@ -94,6 +94,10 @@ def cmd_sim(a) -> int:
                     oversubscription=a.oversubscription, fail_fraction=a.fail, seeders=a.seeders, seed=a.seed,
                     policy=policy, **{k: getattr(a, k) for k in _SIM_PEERD_FLAGS})
     if a.engine == "policies":            # the daemon's own policy objects, one per host (small fleets)
+        if a.oversubscription > 1:
+            print("error: --engine policies models no rack uplinks (every link is a host's); use --engine fleet "
+                  "for oversubscribed racks", file=sys.stderr)
+            return 2
         from peerd.sim.policies import simulate_policies
         res = simulate_policies(cfg)
     else:
