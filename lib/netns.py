@@ -219,9 +219,7 @@ class Topology:
 
     def _on_sigterm(self, signum, frame) -> None:
         self.down()
-        previous = self._previous_sigterm
-        signal.signal(signal.SIGTERM, previous if callable(previous) or previous in (signal.SIG_IGN,)
-                      else signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, self._previous_sigterm or signal.SIG_DFL)   # then as before: usually, exit
         os.kill(os.getpid(), signal.SIGTERM)
 
     def __enter__(self) -> "Topology":

@@ -26,7 +26,7 @@ UDP_COUNT = ("import socket;s=socket.socket(socket.AF_INET,socket.SOCK_DGRAM);s.
 REPO = Path(__file__).resolve().parent.parent
 
 
-def reach(t: Topology, src, dst) -> str:
+def reach(src, dst) -> str:
     return subprocess.run(src.run(sys.executable, "-c", CLIENT, dst.addr), capture_output=True, text=True,
                           timeout=30).stdout.strip()
 
@@ -49,18 +49,18 @@ def test_racks_links_shaped_both_ways_partitions_and_teardown():
         assert fab["u0"] == fab["s0"] == fab["u1"] == fab["s1"] == 1_000_000   # 2 hosts x 2 MB/s / 4
         servers = [subprocess.Popen(h.run(sys.executable, "-c", SERVER)) for h in (h1, h2, t.origin)]
         deadline = time.monotonic() + 20
-        while reach(t, h0, t.origin) != "hi":          # the servers start
+        while reach(h0, t.origin) != "hi":          # the servers start
             assert time.monotonic() < deadline
-        assert reach(t, h0, h1) == reach(t, h0, h2) == "hi"
+        assert reach(h0, h1) == reach(h0, h2) == "hi"
         t.rack_uplink(1, False)                       # rack 1 cut from the spine: h2 out of reach from rack 0
-        assert reach(t, h0, h2) == "TimeoutError" and reach(t, h3, h2) == "hi"    # rack 1 still talks inside
-        assert reach(t, h0, h1) == "hi" and reach(t, h0, t.origin) == "hi"
+        assert reach(h0, h2) == "TimeoutError" and reach(h3, h2) == "hi"    # rack 1 still talks inside
+        assert reach(h0, h1) == "hi" and reach(h0, t.origin) == "hi"
         t.rack_uplink(1, True)
-        assert reach(t, h0, h2) == "hi"
+        assert reach(h0, h2) == "hi"
         t.link(h1, False)                             # one host's cable pulled
-        assert reach(t, h0, h1) == "TimeoutError"
+        assert reach(h0, h1) == "TimeoutError"
         t.link(h1, True)
-        assert reach(t, h0, h1) == "hi"
+        assert reach(h0, h1) == "hi"
         assert all(s.poll() is None for s in servers)
     finally:
         t.down()

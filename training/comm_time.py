@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 
 import torch
 
@@ -43,7 +44,8 @@ def _stderr_to(path: str | None):
 class CommTimer:
     def __init__(self, every: int, device: torch.device, first: int = 2, log: str | None = None):
         self.every, self.device, self.first, self.log = every, device, first, log
-        self.samples: list[tuple[int, float]] = []      # (step, seconds with a collective in flight)
+        # (step, seconds with a collective in flight, the profiled step's wall seconds)
+        self.samples: list[tuple[int, float, float]] = []
 
     @contextlib.contextmanager
     def around(self, step: int):
@@ -55,11 +57,13 @@ class CommTimer:
         prof = profile(activities=acts)
         with _stderr_to(self.log):
             prof.start()
+        t0 = time.perf_counter()
         try:
             yield
         finally:
+            wall = time.perf_counter() - t0
             with _stderr_to(self.log):
                 prof.stop()
         spans = [(e.time_range.start, e.time_range.end) for e in prof.events()
                  if e.name.lower().startswith(COLLECTIVE_PREFIXES) or "nccl" in e.name.lower()]
-        self.samples.append((step, _in_flight(spans) / 1e6))
+        self.samples.append((step, _in_flight(spans) / 1e6, wall))

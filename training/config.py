@@ -289,8 +289,7 @@ def _adopt_init_from(d: dict) -> dict:
     given = d.get("model") if isinstance(d.get("model"), dict) else {}
     adopted = {"family": family, "kv_heads": hf.get("num_key_value_heads") or sizes["n_heads"]}
     clashes = [f"model.{k}={given[k]} (its config says {v})" for k, v in sizes.items() if k in given and given[k] != v]
-    clashes += [f"{k}={d[k]!r} (its config says {v!r})" for k, v in adopted.items()
-                if k in d and d[k] != v and not (k == "family" and d[k] == "reference")]
+    clashes += [f"{k}={d[k]!r} (its config says {v!r})" for k, v in adopted.items() if k in d and d[k] != v]
     if clashes:
         raise ConfigError(f"init_from {src} fixes the model; drop " + ", ".join(clashes))
     out = {**d, **adopted, "model": {**given, **sizes}}

@@ -213,8 +213,6 @@ def run_rank(rank: int, cfg_dict: dict, out_dir: str, durable: dict | None = Non
             torch.cuda.synchronize(device)
         probe.close()
         step_s.append(time.perf_counter() - t0)
-        if comm.samples and comm.samples[-1][0] == step:
-            comm.samples[-1] += (step_s[-1],)          # (step, comm_s, step_s) of the profiled step
         losses.append(loss)
         if not durable and loss is not None and rank == (world - 1 if cfg.layout == "pp" else 0):
             with open(Path(out_dir, "progress.jsonl"), "a") as f:     # one line a step, for launch's watcher
