@@ -225,6 +225,7 @@ async def _run(cfg: SwarmBenchConfig, net: Topology | None, progress=None) -> di
         net_res = {} if not net else {
             "netns": True, "racks": cfg.racks, "oversubscription": cfg.oversubscription,
             "partition_s": cfg.partition_s, "link_down_s": cfg.link_down_s, "loss": cfg.loss, "faults": faults.log,
+            "congestion": net.congestion,
             # the kernel-shaped link carries headers too: T* on payload alone
             "payload_share": PAYLOAD_SHARE, "lower_bound_payload_s": lower / PAYLOAD_SHARE,
             # every rack needs one copy in through its uplink (the origin is on the spine too)

@@ -94,6 +94,8 @@ class Topology:
     oversubscription: float = 1.0          # a rack's uplink carries (its hosts x host_rate) / this
     control: bool = False                  # a namespace for a controller that reaches every host
     loss: float = 0.0                      # each host and the origin drop this share of arriving packets
+    congestion: str = "cubic"              # TCP congestion control in every namespace (Linux's default; a new
+                                           # namespace would otherwise inherit whatever this machine chose)
     tag: str = field(default_factory=lambda: f"wc{uuid.uuid4().hex[:6]}")
     hosts: list[Host] = field(default_factory=list)
     origin: Host | None = None
@@ -124,6 +126,10 @@ class Topology:
         ip("netns", "add", name)
         self._made.append(name)
         ip("link", "set", "lo", "up", ns=name)
+        p = subprocess.run(["ip", "netns", "exec", name, "sysctl", "-qw",
+                            f"net.ipv4.tcp_congestion_control={self.congestion}"], capture_output=True, text=True)
+        if p.returncode != 0:
+            raise NetnsError(f"congestion control {self.congestion!r} in {name}: {p.stderr.strip()}")
         return name
 
     def _build(self) -> None:
@@ -172,14 +178,16 @@ class Topology:
         host = lambda h: None if h is None else {"name": h.name, "ns": h.ns, "addr": h.addr, "rack": h.rack,
                                                  "fabric_dev": h.fabric_dev}
         return {"tag": self.tag, "racks": self.racks, "host_rate": self.host_rate, "origin_rate": self.origin_rate,
-                "oversubscription": self.oversubscription, "loss": self.loss, "hosts": [host(h) for h in self.hosts],
+                "oversubscription": self.oversubscription, "loss": self.loss, "congestion": self.congestion,
+                "hosts": [host(h) for h in self.hosts],
                 "origin": host(self.origin), "controller": host(self.controller)}
 
     @classmethod
     def view(cls, d: dict) -> "Topology":
         """A described topology, owned by another process: its ``down`` removes nothing."""
         host = lambda h: None if h is None else Host(**h)
-        return cls(d["racks"], d["host_rate"], d["origin_rate"], d["oversubscription"], loss=d["loss"], tag=d["tag"],
+        return cls(d["racks"], d["host_rate"], d["origin_rate"], d["oversubscription"], loss=d["loss"],
+                   congestion=d["congestion"], tag=d["tag"],
                    hosts=[host(h) for h in d["hosts"]], origin=host(d["origin"]), controller=host(d["controller"]))
 
     def tx_bytes(self, dev: str) -> int:

@@ -30,6 +30,7 @@ class PolicyConfig:
     seeder_inflight: int = 2       # more for a seeder where seeders are under half its rack (choice.peer_budget)
     max_per_peer: int = 2          # requests in flight to any one peer
     origin_inflight: int = 1       # concurrent origin reads per host (one at a time: the first chunk lands soonest)
+    origin_catch_up: int = 4       # ... up to this many while its stripe holds more than its share of what nobody has
     origin_spread: int = 4         # origin reads go block by block, this many stripe positions a block
     random_first: int = 2          # first chunks picked at random (something to trade early)
     endgame_chunks: int = 4        # duplicate requests once this few chunks are missing
@@ -400,12 +401,26 @@ class SwarmPolicy:
         """The next chunks of this host's origin stripe that no live peer holds: near the front of
         the stripe (the fleet works through the file in order) but in random order among the first
         few, so that two seeders briefly disagreeing on who owns a stripe rarely read the same chunk."""
-        free = self.config.origin_inflight - self.origin_active
-        if free <= 0 or now < self.origin_backoff_until or not self._origin_any:
+        if now < self.origin_backoff_until or not self._origin_any:
             return []
-        cand = np.flatnonzero(self.origin_mask & (self.avail == 0) & ~self.have & ~self.inflight_mask)
+        unheld = (self.avail == 0) & ~self.have
+        mine = self.origin_mask & unheld
+        free = self._origin_budget(int(mine.sum()), int(unheld.sum())) - self.origin_active
+        if free <= 0:
+            return []
+        cand = np.flatnonzero(mine & ~self.inflight_mask)
         return origin_order(cand, self.origin_slots[cand], len(self.seeders), self.config.origin_spread,
                             *self._tb, 0)[:free].tolist()
+
+    def _origin_budget(self, mine: int, unheld: int) -> int:
+        """Origin reads to keep in flight. One while the fleet's origin work is spread evenly; more,
+        up to ``origin_catch_up``, for a seeder whose stripe holds k times its share of the chunks no
+        peer has (``mine`` of ``unheld``): at the end of the origin's copy the last stripes' owners
+        would otherwise read one chunk at a time, each read sharing the owner's link with a full peer
+        pipeline, while the origin's link idles."""
+        live = sum(s == self.me or s not in self.dead_members for s in self.seeders)
+        behind = mine * live // max(unheld, 1)
+        return max(self.config.origin_inflight, min(behind, self.config.origin_catch_up))
 
     def _choose_source(self, c: int, ready: list, cross_ok: bool) -> str | None:
         same = np.array([p.rack == self.rack for _, p in ready])

@@ -122,6 +122,22 @@ def test_origin_only_for_own_stripe_and_only_when_no_peer_has_it():
     assert Request(0, "s2") in reqs or 0 not in mine
 
 
+def test_a_seeder_behind_on_its_stripe_reads_more_of_it_at_once():
+    seeders = tuple(f"s{i}" for i in range(7)) + ("me",)
+    p = pol(64, seeders=seeders, config=PolicyConfig(random_first=0, origin_inflight=1, origin_catch_up=3))
+    mine = np.flatnonzero(p.origin_mask)
+    others = np.flatnonzero(~p.origin_mask)
+    assert len(mine) == 8
+    # every stripe equally far along: one read at a time
+    assert len([r for r in p.next_requests(0) if r.source == ORIGIN]) == 1
+    # the other seeders are done with theirs (their chunks are held): this stripe is all that is left
+    for i, s in enumerate(seeders[:-1]):
+        p.peer_bitmap(s, bits(64, others), 0.1)
+    origin = [r for r in p.next_requests(0.2) if r.source == ORIGIN]
+    assert len(origin) == 2 and {r.chunk for r in origin} <= set(mine.tolist())
+    assert p.origin_active == 3
+
+
 def test_dead_seeder_stripe_moves_to_the_living():
     p = pol(6, seeders=("me", "s2"), config=PolicyConfig(random_first=0, max_inflight=6, origin_inflight=6))
     assert p.origin_mask.sum() == 3
@@ -235,7 +251,7 @@ def test_invariants_under_random_events(events):
         elif kind == "tick":
             p.tick(t)
         # bookkeeping always agrees with what is really outstanding
-        assert p.peer_requests <= p.peer_budget and p.origin_active <= cfg.origin_inflight
+        assert p.peer_requests <= p.peer_budget and p.origin_active <= max(cfg.origin_inflight, cfg.origin_catch_up)
         assert sorted((r.chunk, r.source) for r in live_reqs) == sorted(
             (c, s) for c, srcs in p.inflight.items() for s in srcs)
         for pid, ps in p.peers.items():
