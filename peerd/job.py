@@ -53,8 +53,11 @@ class FetchJob:
         self.bytes = {"peer": 0, "origin": 0, "local": 0}
         self.policy: SwarmPolicy | None = None
         cfg = daemon.config.policy
+        # kept up to every request the policy may have in flight at once (peers, origin, endgame):
+        # a bound below the real peak frees and reallocates (zeroes) a buffer for nearly every chunk
         self.buffers = BufferPool(max((c.size for c in self.m.chunks), default=0),
-                                  keep=cfg.max_inflight + cfg.seeder_inflight + 2)
+                                  keep=cfg.max_inflight + cfg.seeder_inflight + cfg.origin_catch_up
+                                  + cfg.endgame_chunks * cfg.endgame_dups)
         self._tasks: dict[tuple[int, str], asyncio.Task] = {}
         self._wake = asyncio.Event()
         self._origin: S3Origin | None = None
@@ -317,6 +320,7 @@ class FetchJob:
                 "chunks_total": len(self.m.chunks), "chunks_done": self.vs.done_chunks,
                 "bytes_total": self.m.total_size, "bytes_done": done, "bytes_by_source": dict(self.bytes),
                 "origin_reads": self.policy.origin_reads if self.policy else 0,
+                "buffers_allocated": self.buffers.allocated,
                 "started": self.started, "finished": self.finished, "last_progress": self.last_progress,
                 "peers": self.policy.peer_summary(now) if self.policy else []}
 
