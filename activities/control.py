@@ -12,8 +12,14 @@ from peerd.http_input import bearer_headers
 from peerd.manifest_fetch import fetch_from_origin
 from peerd.origin import OriginSpec, S3Origin
 from peerd.signing import load_public_key
+from activities import inventory
 from activities.canary import judge
-from workflows.types import AnalysisInput, AnalysisResult, ManifestCheck, ManifestInfo, PreflightInput, TrafficInput
+from workflows.types import (AnalysisInput, AnalysisResult, FleetPlan, InventoryCheck, ManifestCheck, ManifestInfo,
+                             PreflightInput, TrafficInput)
+
+
+def _origin(d: dict) -> OriginSpec:
+    return OriginSpec(**{k: v for k, v in d.items() if k in ("endpoint", "bucket", "prefix", "region")})
 
 
 def _info(m: mf.Manifest) -> ManifestInfo:
@@ -38,13 +44,24 @@ class ControlActivities:
     @activity.defn(name="check_manifest_ref")
     async def check_manifest_ref(self, inp: ManifestCheck) -> ManifestInfo:
         """Fetch the signed manifest the rollout names and check its digest and signature."""
-        spec = OriginSpec(**{k: v for k, v in inp.origin.items() if k in ("endpoint", "bucket", "prefix", "region")})
-        async with S3Origin(spec, *self.s3_credentials) as origin:
+        async with S3Origin(_origin(inp.origin), *self.s3_credentials) as origin:
             try:
                 m, _ = await fetch_from_origin(origin, inp.ref.key, inp.ref.version_id, self.trusted)
             except mf.ManifestError as e:
                 raise ApplicationError(f"manifest refused: {e}", type="ManifestRefused", non_retryable=True) from None
         return _info(m)
+
+    @activity.defn(name="check_inventory")
+    async def check_inventory(self, inp: InventoryCheck) -> FleetPlan:
+        """Fetch the host list the rollout names, check its digest and every entry; what the workflow keeps."""
+        return inventory.plan(await self._hosts(inp.origin, inp.ref, inp.need_servers))
+
+    async def _hosts(self, origin: dict, ref, need_servers: bool):
+        async with S3Origin(_origin(origin), *self.s3_credentials) as o:
+            try:
+                return await inventory.fetch(o, ref, need_servers)
+            except inventory.InventoryError as e:
+                raise ApplicationError(f"host list refused: {e}", type="InventoryRefused", non_retryable=True) from None
 
     @activity.defn(name="preflight")
     async def preflight(self, inp: PreflightInput) -> list[str]:
@@ -94,9 +111,14 @@ class ControlActivities:
     async def set_traffic(self, inp: TrafficInput) -> dict:
         """Register hosts and versions (idempotent PUT/POST), then set the weights."""
         base = f"{inp.router}/admin/models/{inp.model}"
+        servers = dict(inp.hosts)
+        if inp.inventory is not None:       # every listed host but those not ready
+            skip = set(inp.exclude)
+            servers = {h.id: h.model_server for h in await self._hosts(inp.origin, inp.inventory, True)
+                       if h.id not in skip}
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10), headers=self.admin) as s:
-            if inp.hosts:
-                async with s.put(f"{base}/hosts", json=inp.hosts) as r:
+            if servers:
+                async with s.put(f"{base}/hosts", json=servers) as r:
                     r.raise_for_status()
             for v in inp.versions:
                 async with s.post(f"{base}/versions", json={"version": v}) as r:

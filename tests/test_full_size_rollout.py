@@ -10,7 +10,7 @@ from temporalio.api.enums.v1 import EventType
 from peerd.origin import OriginSpec
 from serving.checkpoint import write_checkpoint
 from tests.golden import replays
-from tests.history_sizes import payload_sizes
+from bench.rollout_shape import payload_sizes
 from tests.serving_fixtures import SMALL
 from weightcast.publish import PublishRequest, publish_and_start
 from weightcast.stack.embedded import EmbeddedStack

@@ -252,6 +252,12 @@ def cmd_bench_router(a) -> int:
     return 0
 
 
+def cmd_bench_rollout_shape(a) -> int:
+    from bench.rollout_shape import main_json
+    print(main_json(a.hosts, a.racks, a.max_loads, a.max_history_events))
+    return 0
+
+
 def cmd_bench_rollout(a) -> int:
     from bench.rollout import run_rollout_bench
     bar = Progress("rollout")
@@ -845,6 +851,15 @@ def build_parser() -> argparse.ArgumentParser:
     br.add_argument("--step-wait", type=float, default=0.0, help="dwell at each traffic step (s)")
     br.add_argument("--json", action="store_true")
     br.set_defaults(fn=cmd_bench_rollout)
+
+    bh = bench.add_parser("rollout-shape", help="a rollout's histories at fleet size (light host activities, the real "
+                                                "workflow and dev server): largest payload, longest history, wall time")
+    bh.add_argument("--hosts", type=positive_int, default=10_000)
+    bh.add_argument("--racks", type=positive_int, default=200)
+    bh.add_argument("--max-loads", type=positive_int, default=100, help="the rollout's max_concurrent_loads")
+    bh.add_argument("--max-history-events", type=positive_int, default=20_000, help="continue-as-new past this")
+    bh.add_argument("--json", action="store_true", help="(the output is always JSON)")
+    bh.set_defaults(fn=cmd_bench_rollout_shape)
 
     gc = sub.add_parser("gpu-check", help="on a CUDA host: verified load to the GPU, both engines in bf16, one "
                                           "rollout; prints JSON (exit 2 without CUDA)")

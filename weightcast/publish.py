@@ -9,6 +9,8 @@ its manifest, and start its rollout. Safe to retry at every step:
   describes the same files and chunks, the upload is skipped and that signed manifest (and so its
   version id) is reused; if it describes other bytes the version name is taken and publishing is
   refused (versions are immutable: publish a new version);
+- the host list goes next to the manifest, named by its SHA-256; the rollout carries only that
+  reference (a 10,000-host list inline would be the largest payload of its history);
 - the rollout starts idempotently (``start_rollout``): a retried job attaches to the running rollout,
   and a finished one is reported, never started again.
 """
@@ -26,6 +28,7 @@ from temporalio.client import Client, WorkflowFailureError
 from temporalio.exceptions import TimeoutError as TemporalTimeout, WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
+from activities import inventory
 from peerd import manifest as mf
 from peerd.origin import OriginError, OriginSpec, S3Origin
 from peerd.signing import load_private_key
@@ -34,7 +37,7 @@ from serving.checkpoint import SMOKE
 from serving.hf_engine import is_hf_checkpoint
 from weightcast.rollouts import check_input, rollout_id, start_rollout
 from workflows.preflight import PreflightWorkflow
-from workflows.types import CONTROL_QUEUE, HostSpec, ManifestRef, PreflightInput, RolloutInput
+from workflows.types import CONTROL_QUEUE, HostSpec, ManifestRef, PreflightInput, RolloutInput, host_problems
 
 MARKER = ".weightcast-manifest.json"
 PREFLIGHT_TIMEOUT = timedelta(seconds=60)
@@ -163,15 +166,20 @@ async def publish_and_start(client: Client, req: PublishRequest, hosts: list[Hos
     """Check, upload, sign, start (or attach to) the rollout. ``rollout`` takes RolloutInput's optional
     fields (router, previous_version, max_concurrent_loads, failure_budget, ...)."""
     origin = {"endpoint": req.origin.endpoint, "bucket": req.origin.bucket, "prefix": req.origin.prefix}
+    listed, fleet = inventory.encode(hosts)
     # refuse bad input before uploading anything (the manifest is not signed yet: a placeholder stands in)
-    check_input(RolloutInput(req.model, req.version, "", origin, hosts, manifest=ManifestRef("0" * 64, MARKER),
-                             **rollout), "nothing published")
+    check_input(RolloutInput(req.model, req.version, "", origin, [], manifest=ManifestRef("0" * 64, MARKER),
+                             inventory=fleet, **rollout), "nothing published")
+    problems = host_problems(hosts, bool(rollout.get("router")))
+    if problems:
+        raise PublishError("nothing published: " + "; ".join(problems))
     check_label(req)
     await preflight(client, req, str(rollout.get("router") or ""), str(rollout.get("previous_version") or ""))
     pub = await upload(req)
-    # by reference: the workflow and every host activity carry (digest, key), never the document
-    inp = RolloutInput(req.model, req.version, "", origin, hosts, manifest=ManifestRef(pub.manifest.digest, MARKER),
-                       **rollout)
+    await _put_host_list(req, fleet.key, listed)
+    # by reference: the workflow and every host activity carry (digest, key), never the documents
+    inp = RolloutInput(req.model, req.version, "", origin, [], manifest=ManifestRef(pub.manifest.digest, MARKER),
+                       inventory=fleet, **rollout)
     wid = rollout_id(req.model, req.version)
     out = {"model": req.model, "version": req.version, "version_id": pub.manifest.digest, "workflow_id": wid,
            "bytes": pub.manifest.total_size, "uploaded_files": len(pub.uploaded),
@@ -190,6 +198,15 @@ async def publish_and_start(client: Client, req: PublishRequest, hosts: list[Hos
         out["rollout"] = f"already finished ({desc.status.name}); not started again"
         out["previous_outcome"] = desc.status.name
     return out
+
+
+async def _put_host_list(req: PublishRequest, key: str, raw: bytes) -> None:
+    try:
+        async with S3Origin(req.origin, req.access_key, req.secret_key) as o:
+            await o.put_bytes(o.spec.key(key), raw)
+    except (BotoCoreError, ClientError, OriginError) as e:
+        raise PublishError(f"object storage at {req.origin.endpoint}: writing the host list {key}: {e}",
+                           retryable=True) from None
 
 
 def hosts_from_file(path: Path) -> list[HostSpec]:

@@ -27,8 +27,8 @@ def build(client: Client, trusted_keys: list[Path], s3_credentials: tuple[str, s
     ``admin_token`` for the router's admin API."""
     acts = ControlActivities(trusted_keys, s3_credentials, admin_token)
     return Worker(client, task_queue=CONTROL_QUEUE, workflows=WORKFLOWS,
-                  activities=[acts.check_manifest, acts.check_manifest_ref, acts.set_traffic, acts.preflight,
-                              acts.analyze_traffic])
+                  activities=[acts.check_manifest, acts.check_manifest_ref, acts.check_inventory, acts.set_traffic,
+                              acts.preflight, acts.analyze_traffic])
 
 
 async def run(address: str, namespace: str, trusted_keys: list[Path], admin_token: str) -> None:

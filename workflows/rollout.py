@@ -28,8 +28,8 @@ with workflow.unsafe.imports_passed_through():
     from workflows.host_batch import HostBatchWorkflow
     from workflows.rollout_legacy import MAX_PENDING_LOADS, LegacyRolloutPaths
     from workflows.types import (CONTROL_QUEUE, AnalysisInput, AnalysisResult, DiscardInput, DistributeInput,
-                                 HostBatchInput, HostOutcome, HostSpec, LoadInput, ManifestCheck, ManifestInfo,
-                                 RolloutCarry, RolloutInput, RolloutStatus, TrafficInput)
+                                 FleetPlan, HostBatchInput, HostOutcome, HostSpec, InventoryCheck, LoadInput,
+                                 ManifestCheck, ManifestInfo, RolloutCarry, RolloutInput, RolloutStatus, TrafficInput)
 
 PHASE = SearchAttributeKey.for_keyword("RolloutPhase")
 STEPS_PATCH = "controls-preempt-retries"
@@ -51,6 +51,8 @@ class RolloutWorkflow(LegacyRolloutPaths):
     def __init__(self) -> None:
         self.phase = "starting"
         self.hosts: dict[str, str] = {}
+        self.specs: list[HostSpec] = []    # the fleet: inline, or ids and queues of a host list by reference
+        self.seeders: list[str] = []
         self.errors: dict[str, str] = {}
         self.paused = False
         self.abort_reason = ""
@@ -240,6 +242,7 @@ class RolloutWorkflow(LegacyRolloutPaths):
             raise ApplicationError("invalid rollout input: " + "; ".join(problems), type="InvalidInput",
                                    non_retryable=True)
         self.max_loads = inp.max_concurrent_loads
+        self.specs = list(inp.hosts)
         self.hosts = {h.id: "pending" for h in inp.hosts}
         self._phase_t0 = workflow.time()
         if not workflow.patched(STEPS_PATCH):
@@ -278,7 +281,7 @@ class RolloutWorkflow(LegacyRolloutPaths):
             return None
         # a host no worker served (unreachable) is not waited for again: what it may hold is pruned by
         # its next rollout, and it never loaded this version
-        hosts = [h for h in inp.hosts if self.hosts.get(h.id) != "unreachable"]
+        hosts = [h for h in self.specs if self.hosts.get(h.id) != "unreachable"]
         self._set_phase("aborting", f"removing {inp.version} from {len(hosts)} hosts")
         results = await asyncio.gather(*(workflow.execute_activity(
             "discard_version", DiscardInput(inp.version, self.version_id, inp.model), task_queue=h.queue,
@@ -311,11 +314,15 @@ class RolloutWorkflow(LegacyRolloutPaths):
             raise ApplicationError(f"manifest is {info.model}/{info.version}, rollout is {inp.model}/{inp.version}",
                                    non_retryable=True)
         self.bytes_total, self.version_id = info.bytes_total, info.version_id
+        if inp.inventory is not None:
+            await self._fleet(inp)
+            self.hosts = {h.id: "pending" for h in self.specs}
+        else:
+            self.seeders = seeders_across_racks([(h.id, h.rack) for h in inp.hosts], MAX_SEEDERS)
 
         await self._hold()
-        self._set_phase("distribute", f"{len(inp.hosts)} hosts, {info.bytes_total} bytes")
-        seeders = seeders_across_racks([(h.id, h.rack) for h in inp.hosts], MAX_SEEDERS)
-        await self._distribute(inp, DistributeInput(inp.signed_manifest, inp.origin, seeders, inp.manifest))
+        self._set_phase("distribute", f"{len(self.specs)} hosts, {info.bytes_total} bytes")
+        await self._distribute(inp, DistributeInput(inp.signed_manifest, inp.origin, self.seeders, inp.manifest))
         await self._budget(inp)
 
         self._set_phase("verify", "every chunk was checked against the signed manifest on arrival")
@@ -323,11 +330,25 @@ class RolloutWorkflow(LegacyRolloutPaths):
         self._set_phase("load", f"at most {self.max_loads} hosts at a time")
         return await self._load_and_shift(inp, info)
 
+    async def _fleet(self, inp: RolloutInput) -> None:
+        """The host list by reference: fetched and checked by the control worker, which hands back
+        only ids, queues and seeders (a few bytes a host in this history)."""
+        self._set_phase(self.phase, f"reading the host list ({inp.inventory.count} hosts)")
+        try:
+            plan: FleetPlan = await self._step(
+                inp, "inventory", "check_inventory", InventoryCheck(inp.inventory, inp.origin, bool(inp.router)),
+                queue=CONTROL_QUEUE, result_type=FleetPlan, attempts=5, timeout_s=300,
+                summary=f"fetch and check the host list ({inp.inventory.count} hosts)")
+        except ActivityError as e:
+            raise ApplicationError(f"host list refused, nothing distributed: {e.cause}", type="InventoryRefused",
+                                   non_retryable=True) from None
+        self.specs, self.seeders = plan.specs(), plan.seeders
+
     async def _distribute(self, inp: RolloutInput, dist: DistributeInput) -> None:
         """The batch children, stopped by signal the moment a pause or an abort arrives: each host stops
         peerd's download and reports the verified bytes it keeps (status shows them while paused). On
         resume new children (new ids) start for the hosts not yet done; each continues from its bitmap."""
-        todo: list[HostSpec] = list(inp.hosts)
+        todo: list[HostSpec] = list(self.specs)
         round_ = 0
         while todo:
             for h in todo:
@@ -351,7 +372,7 @@ class RolloutWorkflow(LegacyRolloutPaths):
                 self.held.pop(outcome.host, None)
                 if outcome.error:
                     self.errors[outcome.host] = outcome.error
-            todo = [h for h in inp.hosts if self.hosts[h.id] == "paused"]
+            todo = [h for h in self.specs if self.hosts[h.id] == "paused"]
             if todo:
                 if not self.abort_reason:
                     self._set_phase("distribute", f"PAUSED: {len(todo)} downloads stopped, verified chunks kept "
@@ -385,6 +406,8 @@ class RolloutWorkflow(LegacyRolloutPaths):
     async def _resume(self, inp: RolloutInput, c: RolloutCarry) -> dict:
         """A continued-as-new run: restore the state and carry on loading."""
         self._restore(c)
+        if inp.inventory is not None:
+            await self._fleet(inp)
         return await self._load_and_shift(inp, c.info)
 
     async def _load_and_shift(self, inp: RolloutInput, info: ManifestInfo) -> dict:
@@ -395,6 +418,7 @@ class RolloutWorkflow(LegacyRolloutPaths):
 
         if inp.router:
             servers = {h.id: h.model_server for h in inp.hosts if h.id in ready}
+            not_ready = sorted(set(self.hosts) - set(ready))
             for step in inp.traffic_steps:
                 await self._hold()
                 self._set_phase("traffic", f"{step}% to {inp.version}")
@@ -402,16 +426,24 @@ class RolloutWorkflow(LegacyRolloutPaths):
                 if inp.previous_version and step < 100:
                     weights[inp.previous_version] = 100 - step
                 await self._step(inp, f"traffic {step}%", "set_traffic",
-                                 TrafficInput(inp.router, inp.model, weights, servers, sorted(weights)),
+                                 TrafficInput(inp.router, inp.model, weights, servers, sorted(weights),
+                                              **self._by_reference(inp, not_ready)),
                                  queue=CONTROL_QUEUE, summary=f"traffic {weights}")
                 self.traffic = dict(weights)
                 if inp.analysis is not None and step < 100:
                     await self._analyze(inp, step)          # the judged window replaces the dwell
                 elif step != inp.traffic_steps[-1] and inp.step_wait_s > 0:
                     await self._dwell(inp.step_wait_s)
-        self._set_phase("done", f"{len(ready)} of {len(inp.hosts)} hosts ready on {inp.version}")
+        self._set_phase("done", f"{len(ready)} of {len(self.specs)} hosts ready on {inp.version}")
         return {"version_id": info.version_id, "ready": sorted(ready), "hosts": dict(self.hosts),
                 "errors": dict(self.errors), "traffic": dict(self.traffic), "peak_loads": self.peak_loading}
+
+    @staticmethod
+    def _by_reference(inp: RolloutInput, not_ready: list[str]) -> dict:
+        """A traffic step's hosts by reference: the list's servers but those not ready."""
+        if inp.inventory is None:
+            return {}
+        return {"inventory": inp.inventory, "origin": inp.origin, "exclude": not_ready}
 
     async def _analyze(self, inp: RolloutInput, step: int) -> None:
         """Observe ``interval_s``, judge the new version against the previous one; a failure aborts (and
@@ -450,7 +482,7 @@ class RolloutWorkflow(LegacyRolloutPaths):
         runs). False: the history grew too long, the loads in flight were drained and the caller
         continues-as-new for the rest. A pause holds every load (each cancels its running attempt and
         runs again on resume); an abort ends them all."""
-        queues = {h.id: h.queue for h in inp.hosts}
+        queues = {h.id: h.queue for h in self.specs}
         started: list[asyncio.Task] = []
         try:
             for host in [h for h, s in self.hosts.items() if s == "verified"]:

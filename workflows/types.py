@@ -9,6 +9,7 @@ CONTROL_QUEUE = "weightcast-control"
 PUBLISH_QUEUE = "weightcast-publish"      # the publish worker: the only one holding the signing key
 HEX64 = re.compile(r"^[0-9a-f]{64}\Z")
 INLINE_MANIFEST_MAX = 256 * 1024          # inline manifests only for small checkpoints (legacy input)
+INLINE_HOSTS_MAX = 2_000                  # more hosts travel by reference (InventoryRef)
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")   # model, version and host ids (go into workflow ids)
 
 
@@ -56,6 +57,46 @@ class ManifestRef:
 
 
 @dataclass
+class InventoryRef:
+    """Where the fleet's host list lies under the origin prefix (a JSON list of HostSpec objects) and
+    what it hashes to. Workflows carry this, not the list: ~100 bytes a host make a 10,000-host list
+    the largest payload of a rollout's history (its input, every continue-as-new), near Temporal's
+    2 MB limit."""
+    sha256: str                           # of the object's bytes
+    key: str                              # object key under the origin prefix
+    count: int                            # hosts in it
+
+    def problems(self) -> list[str]:
+        out = []
+        if not isinstance(self.sha256, str) or not HEX64.match(self.sha256):
+            out.append(f"inventory.sha256 {self.sha256!r} must be 64 lowercase hex characters")
+        if not isinstance(self.key, str) or not self.key or len(self.key) > 1024:
+            out.append("inventory.key must be the object key of the host list under the origin prefix")
+        if not _within(self.count, 1, 1_000_000, integer=True):
+            out.append(f"inventory.count must be the number of hosts in it (1 to 1,000,000), got {self.count!r}")
+        return out
+
+
+def host_problems(hosts: list, need_servers: bool) -> list[str]:
+    """What is wrong with a host list (inline in a rollout's input or fetched by reference)."""
+    out = []
+    if not hosts:
+        out.append("hosts is empty: give at least one host")
+    if not all(isinstance(h, HostSpec) for h in hosts):
+        return out + ["hosts must be objects {id, model_server, rack, task_queue}"]
+    ids = [h.id for h in hosts]
+    dup = sorted(i for i, n in Counter(map(str, ids)).items() if n > 1)
+    if dup:
+        out.append(f"duplicate host ids: {', '.join(dup[:10])}")
+    bad = [i for i in ids if not isinstance(i, str) or not NAME.match(i)]
+    if bad:
+        out.append(f"bad host ids (letters, digits, '.', '_', '-'): {bad[:10]}")
+    if need_servers and not all(h.model_server for h in hosts):
+        out.append("with a router every host needs its model_server address")
+    return out
+
+
+@dataclass
 class RolloutInput:
     model: str
     version: str
@@ -77,6 +118,7 @@ class RolloutInput:
     pinned_versions: list[str] = field(default_factory=list)   # kept on disk besides this and the previous one
     analysis: AnalysisConfig | None = None   # judge each traffic step before the next (None: timer only)
     stuck_after_s: float = 300.0          # a step failing this long pauses the rollout as stuck, with the reason
+    inventory: InventoryRef | None = None  # the hosts by reference (what `weightcast publish` sends); hosts empty
 
     def problems(self) -> list[str]:
         """Everything wrong with this input, in words an operator can act on (empty when valid)."""
@@ -109,17 +151,17 @@ class RolloutInput:
         missing = [k for k in ("endpoint", "bucket") if not origin.get(k)]
         if missing:
             out.append(f"origin lacks {', '.join(missing)}: give {{endpoint, bucket, prefix}} of the published checkpoint")
-        if not self.hosts:
-            out.append("hosts is empty: give at least one host")
-        ids = [h.id for h in self.hosts]
-        dup = sorted(i for i, n in Counter(map(str, ids)).items() if n > 1)
-        if dup:
-            out.append(f"duplicate host ids: {', '.join(dup[:10])}")
-        bad = [i for i in ids if not isinstance(i, str) or not NAME.match(i)]
-        if bad:
-            out.append(f"bad host ids (letters, digits, '.', '_', '-'): {bad[:10]}")
-        if self.router and not all(h.model_server for h in self.hosts):
-            out.append("with a router every host needs its model_server address")
+        if self.inventory is not None:
+            out += self.inventory.problems() if isinstance(self.inventory, InventoryRef) else \
+                ["inventory must be {sha256, key, count}: where the host list lies under the origin prefix"]
+            if self.hosts:
+                out.append("give the hosts by reference (inventory) or inline (hosts), not both")
+        else:
+            out += host_problems(self.hosts, bool(self.router))
+            if len(self.hosts) > INLINE_HOSTS_MAX:
+                out.append(f"{len(self.hosts)} hosts inline would make the rollout's input its largest payload; "
+                           f"over {INLINE_HOSTS_MAX} upload the list and pass inventory={{sha256, key, count}} "
+                           "(`weightcast publish` does)")
         if not _within(self.max_concurrent_loads, 1, 10_000, integer=True):
             out.append(f"max_concurrent_loads must be an integer in [1, 10000], got {self.max_concurrent_loads!r}")
         if not _within(self.failure_budget, 0, 1):
@@ -158,6 +200,27 @@ class RolloutCarry:
 class ManifestCheck:
     ref: ManifestRef
     origin: dict
+
+
+@dataclass
+class InventoryCheck:
+    ref: InventoryRef
+    origin: dict
+    need_servers: bool = False            # a router: every host needs its model_server
+
+
+@dataclass
+class FleetPlan:
+    """What a rollout keeps of a host list given by reference: ids and task queues (for fan-out and
+    loads) and the seeders picked across racks; model-server addresses stay in the list (the traffic
+    step reads them there)."""
+    ids: list[str]
+    queues: list[str]                     # the distinct task queues the list names ("" = host-<id>)
+    queue_of: list[int]                   # each host's, an index into queues
+    seeders: list[str]
+
+    def specs(self) -> list[HostSpec]:
+        return [HostSpec(i, task_queue=self.queues[q]) for i, q in zip(self.ids, self.queue_of)]
 
 
 @dataclass
@@ -292,6 +355,9 @@ class TrafficInput:
     weights: dict[str, int]
     hosts: dict[str, str] = field(default_factory=dict)   # host id -> model-server address (registration)
     versions: list[str] = field(default_factory=list)
+    inventory: InventoryRef | None = None   # hosts by reference: every listed host's server but ``exclude``
+    origin: dict = field(default_factory=dict)
+    exclude: list[str] = field(default_factory=list)
 
 
 @dataclass
