@@ -215,7 +215,9 @@ async def _run(cfg: SwarmBenchConfig, net: Topology | None, progress=None) -> di
                 quarantined |= set((await c.status())["quarantined"])
         for c in clients:
             await c.__aexit__(None, None, None)
-        times = sorted(last[i]["finished"] - t0 for i in survivors if i in last and last[i]["state"] == "complete")
+        finish = {i: round(last[i]["finished"] - t0, 2) for i in survivors
+                  if i in last and last[i]["state"] == "complete"}
+        times = sorted(finish.values())
         failed = [i for i in survivors if i not in last or last[i]["state"] != "complete"]
         origin_bytes = sum(st["bytes_by_source"]["origin"] for st in last.values())
         checks = {i: _verify_host(work / "hosts" / i / "store", m) for i in survivors
@@ -245,7 +247,8 @@ async def _run(cfg: SwarmBenchConfig, net: Topology | None, progress=None) -> di
                 "incomplete": {i: {"state": last[i]["state"] if i in last else "unknown",
                                    "chunks_done": last[i]["chunks_done"] if i in last else None,
                                    "error": last[i].get("error") if i in last else None} for i in failed},
-                "lower_bound_s": lower, "p50_s": pct(0.5), "p90_s": pct(0.9), "max_s": times[-1] if times else None,
+                "lower_bound_s": lower, "finish_s_by_host": finish,
+                "p50_s": pct(0.5), "p90_s": pct(0.9), "max_s": times[-1] if times else None,
                 "ratio": (times[-1] / lower) if times else None,
                 "origin_copies": origin_bytes / m.total_size,
                 # where the time goes: the origin's one copy (ideally at lower_bound_s), then the spread of the

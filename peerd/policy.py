@@ -31,6 +31,7 @@ class PolicyConfig:
     max_per_peer: int = 2          # requests in flight to any one peer
     origin_inflight: int = 1       # concurrent origin reads per host (one at a time: the first chunk lands soonest)
     origin_catch_up: int = 4       # ... up to this many while its stripe holds more than its share of what nobody has
+    peer_catch_up: int = 4         # more peer requests in flight while this host is behind its peers (see _catch_up)
     origin_spread: int = 4         # origin reads go block by block, this many stripe positions a block
     random_first: int = 2          # first chunks picked at random (something to trade early)
     endgame_chunks: int = 4        # duplicate requests once this few chunks are missing
@@ -75,6 +76,7 @@ class PeerState:
     rate: float = 0.0              # EWMA bytes/s over completed transfers
     samples: int = 0
     load: float = 0.0              # share of its upload slots in use, as it last reported
+    held: int = 0                  # chunks it holds, as known here
 
     def usable(self, now: float) -> bool:
         return self.alive and not self.quarantined and now >= self.backoff_until
@@ -179,6 +181,7 @@ class SwarmPolicy:
             self._count(p, bits.astype(np.int32) - p.bits.astype(np.int32))
             self._note_seen(gained, now)
         p.bits = bits.copy()
+        p.held = int(p.bits.sum())
         self._dirty = True
         return True
 
@@ -207,6 +210,7 @@ class SwarmPolicy:
         chunks = np.asarray(chunks, np.int64)
         new = chunks[~p.bits[chunks]]
         p.bits[new] = True
+        p.held += len(new)
         if p.alive and not p.quarantined and len(new):
             self._count(p, 1, new)
             self._note_seen(new, now)
@@ -315,7 +319,7 @@ class SwarmPolicy:
         for c in self._origin_chunks(now):
             self._add_request(c, ORIGIN)
             out.append(Request(c, ORIGIN))
-        free = self.peer_budget - self.peer_requests
+        free = self.peer_budget + self._catch_up() - self.peer_requests
         if free <= 0:
             return out
         # peers that can take a request now, in a random rotation (random among equals)
@@ -411,6 +415,21 @@ class SwarmPolicy:
         cand = np.flatnonzero(mine & ~self.inflight_mask)
         return origin_order(cand, self.origin_slots[cand], len(self.seeders), self.config.origin_spread,
                             *self._tb, 0)[:free].tolist()
+
+    def _catch_up(self) -> int:
+        """Extra peer requests for a host that has fallen behind its peers (more than a full pipeline
+        of chunks under their median). On kernel links a host's share of each uploader is TCP's, per
+        flow: a host whose requests kept meeting the busiest uploaders fell ~20 % behind the others
+        by the end of the origin's copy, then spent seconds alone at the tail. More flows in flight
+        win it a larger share while it is behind."""
+        extra = self.config.peer_catch_up
+        if not extra:
+            return 0
+        held = sorted(p.held for p in self.peers.values() if p.alive and not p.quarantined)
+        if not held:
+            return 0
+        mine = self.n_chunks - self.missing
+        return extra if held[len(held) // 2] - mine > self.peer_budget else 0
 
     def _origin_budget(self, mine: int, unheld: int) -> int:
         """Origin reads to keep in flight. One while the fleet's origin work is spread evenly; more,

@@ -18,7 +18,7 @@ def pol(n=10, **kw):
 
 
 def test_rarest_first():
-    p = pol(4, config=PolicyConfig(random_first=0, max_inflight=1))
+    p = pol(4, config=PolicyConfig(random_first=0, max_inflight=1, peer_catch_up=0))
     p.peer_bitmap("a", bits(4, [0, 1, 2]), 0)
     p.peer_bitmap("b", bits(4, [0, 1]), 0)
     p.peer_bitmap("c", bits(4, [0]), 0)
@@ -32,7 +32,7 @@ def test_rarity_counts_only_holders_this_host_may_ask():
     # chunk 0 would tie with chunk 1.
     for seed in range(10):
         p = pol(4, rack="r1", rack_members=("me", "m2"), seed=seed,
-                config=PolicyConfig(random_first=0, max_inflight=2, max_per_peer=2, rack_grace_s=5))
+                config=PolicyConfig(random_first=0, max_inflight=2, max_per_peer=2, rack_grace_s=5, peer_catch_up=0))
         p.peer_bitmap("far", np.ones(4, bool), 0, rack="r2")
         p.peer_bitmap("near", bits(4, [0, 1]), 0, rack="r1")
         assert {(r.chunk, r.source) for r in p.next_requests(0)} == {(0, "near"), (3, "far")}
@@ -105,7 +105,7 @@ def test_a_full_uploader_is_not_asked_and_the_less_loaded_holder_is_preferred():
 
 
 def test_a_peer_reporting_room_again_is_asked_again():
-    p = pol(2, config=PolicyConfig(random_first=0, max_inflight=1))
+    p = pol(2, config=PolicyConfig(random_first=0, max_inflight=1, peer_catch_up=0))
     p.peer_bitmap("a", np.ones(2, bool), 0, load=1.0)
     assert p.next_requests(0) == []
     p.peer_has("a", [], 0.1, load=0.5)          # its next push says it has room
@@ -136,6 +136,15 @@ def test_a_seeder_behind_on_its_stripe_reads_more_of_it_at_once():
     origin = [r for r in p.next_requests(0.2) if r.source == ORIGIN]
     assert len(origin) == 2 and {r.chunk for r in origin} <= set(mine.tolist())
     assert p.origin_active == 3
+
+
+def test_a_host_behind_its_peers_keeps_more_requests_in_flight_until_it_catches_up():
+    cfg = PolicyConfig(random_first=0, max_inflight=4, max_per_peer=4, peer_catch_up=3)
+    for held, budget in [(0, 7), (40, 7), (44, 4)]:     # peers hold 48: behind by more than 4 chunks, or not
+        p = pol(64, have=bits(64, range(held)), config=cfg)
+        for i in range(5):
+            p.peer_bitmap(f"p{i}", bits(64, range(48)), 0)
+        assert len(p.next_requests(0)) == budget and p.peer_requests == budget
 
 
 def test_dead_seeder_stripe_moves_to_the_living():
@@ -251,7 +260,8 @@ def test_invariants_under_random_events(events):
         elif kind == "tick":
             p.tick(t)
         # bookkeeping always agrees with what is really outstanding
-        assert p.peer_requests <= p.peer_budget and p.origin_active <= max(cfg.origin_inflight, cfg.origin_catch_up)
+        assert p.peer_requests <= p.peer_budget + cfg.peer_catch_up
+        assert p.origin_active <= max(cfg.origin_inflight, cfg.origin_catch_up)
         assert sorted((r.chunk, r.source) for r in live_reqs) == sorted(
             (c, s) for c, srcs in p.inflight.items() for s in srcs)
         for pid, ps in p.peers.items():
@@ -298,7 +308,7 @@ def test_peer_set_keeps_few_peers_from_other_racks():
 def test_a_seeder_keeps_more_peer_requests_in_flight():
     """A lone seeder in its rack keeps ``seeder_inflight`` more peer requests going (its origin read
     shares its link); where most of the rack seeds, nobody does."""
-    cfg = PolicyConfig(random_first=0, max_inflight=4, max_per_peer=1, seeder_inflight=2)
+    cfg = PolicyConfig(random_first=0, max_inflight=4, max_per_peer=1, seeder_inflight=2, peer_catch_up=0)
     rack = ("me", "s2", "h3", "h4", "h5")
     for seeders, budget in [(("me", "s2"), 6), (("s1", "s2"), 4), (("me", "s2", "h3"), 4)]:
         p = pol(30, seeders=seeders, rack_members=rack, config=cfg)
