@@ -51,6 +51,7 @@ class FetchJob:
         self.finished: float | None = None
         self.last_progress = self.started        # wall time of the last verified chunk (stuck detection)
         self.bytes = {"peer": 0, "origin": 0, "local": 0}
+        self.duplicate_bytes = 0                 # received for a chunk verified meanwhile (endgame's second source)
         self.policy: SwarmPolicy | None = None
         cfg = daemon.config.policy
         # kept up to every request the policy may have in flight at once (peers, origin, endgame):
@@ -242,6 +243,8 @@ class FetchJob:
             # off the loop); the buffer goes back to the pool only once that thread is done with it
             buf = None
             await self.buffers.use_in_thread(data, partial(self.vs.write_chunk, r.chunk))
+            if self.vs.bits[r.chunk]:            # the loop thread alone sets bits: an earlier copy won
+                self.duplicate_bytes += c.size
             self.vs.mark_verified(r.chunk)       # on the loop thread: the only writer of the bitmap
         except asyncio.CancelledError:
             self.policy.chunk_failed(r.chunk, r.source, "cancelled", loop.time())
@@ -319,6 +322,7 @@ class FetchJob:
                 "state": self.state, "error": self.error,
                 "chunks_total": len(self.m.chunks), "chunks_done": self.vs.done_chunks,
                 "bytes_total": self.m.total_size, "bytes_done": done, "bytes_by_source": dict(self.bytes),
+                "duplicate_bytes": self.duplicate_bytes,
                 "origin_reads": self.policy.origin_reads if self.policy else 0,
                 "buffers_allocated": self.buffers.allocated,
                 "started": self.started, "finished": self.finished, "last_progress": self.last_progress,
