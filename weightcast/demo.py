@@ -96,7 +96,8 @@ async def run_demo(hosts: int, size: int, rate: float, progress=None, keep_ui_s:
             if loop.time() > deadline:
                 result_task.cancel()
                 raise DemoFailed(json.dumps({"deadline_s": round(deadline - t0, 1), "phase": st.phase,
-                                             "hosts": st.hosts, "errors": st.errors, "dead": _dead_parts(stack)}))
+                                             "detail": st.detail, "hosts": st.hosts, "errors": st.errors,
+                                             "dead": _dead_parts(stack)}))
             if progress:
                 ready = st.counts.get("ready", 0)
                 bytes_done = sum(p.get("bytes_done", 0) for p in await _peerd_jobs(stack, pub["version_id"]))
