@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import shutil
 import tempfile
 import time
 import uuid
@@ -179,6 +180,7 @@ async def run_rollout_shape(hosts: int, racks: int, max_loads: int, max_history_
                 "max_concurrent_loads": max_loads, "retried": fleet.retried}
     finally:
         s3.stop()
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def main_json(hosts: int, racks: int, max_loads: int, max_history_events: int) -> str:

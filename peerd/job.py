@@ -55,7 +55,7 @@ class FetchJob:
         self.policy: SwarmPolicy | None = None
         cfg = daemon.config.policy
         # kept up to every request the policy may have in flight at once (peers, origin, endgame):
-        # a bound below the real peak frees and reallocates (zeroes) a buffer for nearly every chunk
+        # a bound below that peak would free buffers only to allocate (and zero) them again at the next
         self.buffers = BufferPool(max((c.size for c in self.m.chunks), default=0),
                                   keep=cfg.max_inflight + cfg.seeder_inflight + cfg.origin_catch_up
                                   + cfg.endgame_chunks * cfg.endgame_dups)

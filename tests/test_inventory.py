@@ -77,3 +77,17 @@ async def test_a_host_list_altered_after_the_start_is_refused_and_nothing_is_dis
             st = await handle.query(RolloutWorkflow.status)
     assert "host list refused" in str(e.value.cause) and "does not hash to" in str(e.value.cause)
     assert st.phase == "failed" and st.hosts == {} and st.batches == []
+
+
+async def test_publish_refuses_bad_hosts_with_every_problem_before_touching_anything(tmp_path):
+    """Nothing reached: no Temporal client, an origin nobody listens on. The refusal names the host
+    list's problems and the rest of the input's together."""
+    from weightcast.publish import PublishRequest, publish_and_start
+    from weightcast.rollouts import InvalidRolloutInput
+    req = PublishRequest(tmp_path, "m", "v1", tmp_path / "absent.pem", OriginSpec("http://127.0.0.1:1", "b", "p"))
+    with pytest.raises(InvalidRolloutInput) as e:
+        await publish_and_start(None, req, [HostSpec("h0"), HostSpec("h0")], router="http://127.0.0.1:1",
+                                max_concurrent_loads=0)
+    msg = str(e.value)
+    assert msg.startswith("nothing published") and "duplicate host ids: h0" in msg
+    assert "needs its model_server" in msg and "max_concurrent_loads" in msg and "inventory." not in msg

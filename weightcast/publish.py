@@ -35,7 +35,7 @@ from peerd.signing import load_private_key
 from serving import golden
 from serving.checkpoint import SMOKE
 from serving.hf_engine import is_hf_checkpoint
-from weightcast.rollouts import check_input, rollout_id, start_rollout
+from weightcast.rollouts import InvalidRolloutInput, rollout_id, start_rollout
 from workflows.preflight import PreflightWorkflow
 from workflows.types import CONTROL_QUEUE, HostSpec, ManifestRef, PreflightInput, RolloutInput, host_problems
 
@@ -166,13 +166,14 @@ async def publish_and_start(client: Client, req: PublishRequest, hosts: list[Hos
     """Check, upload, sign, start (or attach to) the rollout. ``rollout`` takes RolloutInput's optional
     fields (router, previous_version, max_concurrent_loads, failure_budget, ...)."""
     origin = {"endpoint": req.origin.endpoint, "bucket": req.origin.bucket, "prefix": req.origin.prefix}
+    # refuse bad input before uploading anything, every problem at once (the manifest is not signed
+    # yet: a placeholder stands in; the host list's own reference is ours, so only its entries can be wrong)
     listed, fleet = inventory.encode(hosts)
-    # refuse bad input before uploading anything (the manifest is not signed yet: a placeholder stands in)
-    check_input(RolloutInput(req.model, req.version, "", origin, [], manifest=ManifestRef("0" * 64, MARKER),
-                             inventory=fleet, **rollout), "nothing published")
-    problems = host_problems(hosts, bool(rollout.get("router")))
+    problems = host_problems(hosts, bool(rollout.get("router"))) + [
+        p for p in RolloutInput(req.model, req.version, "", origin, [], manifest=ManifestRef("0" * 64, MARKER),
+                                inventory=fleet, **rollout).problems() if not p.startswith("inventory.")]
     if problems:
-        raise PublishError("nothing published: " + "; ".join(problems))
+        raise InvalidRolloutInput("nothing published: " + "; ".join(problems))
     check_label(req)
     await preflight(client, req, str(rollout.get("router") or ""), str(rollout.get("previous_version") or ""))
     pub = await upload(req)
