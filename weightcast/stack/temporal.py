@@ -24,12 +24,16 @@ class TemporalDevServer:
     terminal that runs `make demo` shows weightcast's progress, not the server's WARN lines). State is
     kept in ``db``: stopped and started again on the same port, the server carries on every workflow."""
 
-    def __init__(self, port: int, db: Path, log_path: Path, ui_port: int | None = None):
-        self.port, self.db, self.log_path, self.ui_port = port, db, log_path, ui_port
+    def __init__(self, port: int, db: Path, log_path: Path, ui_port: int | None = None, ip: str = "127.0.0.1",
+                 prefix: tuple[str, ...] = ()):
+        # ``prefix`` (``ip netns exec NS``) runs it in a namespace of its own, listening on every address
+        # there and reached at ``ip``: the server's own parts dial each other on 127.0.0.1
+        self.port, self.db, self.log_path, self.ui_port, self.ip, self.prefix = port, db, log_path, ui_port, ip, prefix
         self.proc: subprocess.Popen | None = None
 
     def command(self) -> list[str]:
-        cmd = [temporal_binary(), "server", "start-dev", "--ip", "127.0.0.1", "--port", str(self.port),
+        cmd = [*self.prefix, temporal_binary(), "server", "start-dev", "--ip", "0.0.0.0" if self.prefix else self.ip,
+               "--port", str(self.port),
                "--namespace", "default", "--db-filename", str(self.db), "--log-format", "json", "--log-level", "warn",
                *(arg for key in SEARCH_ATTRIBUTES for arg in ("--search-attribute", f"{key.name}=Keyword")),
                # what the SDK's own test server turns on: updates (abort, set-concurrency) and no phoning home
@@ -63,7 +67,7 @@ class TemporalDevServer:
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.ip}:{self.port}"
 
     @property
     def running(self) -> bool:
