@@ -18,9 +18,9 @@ W = 40                      # a window narrow enough that the plans are full and
 
 
 def states():
-    """A 120-host, 4-rack fleet with a slow origin (chunks age in the windows), every 50 steps."""
+    """A 120-host, 4-rack fleet with a slow origin (chunks age in the windows) and 16 seeders, every 50 steps."""
     sim = FleetSim(SimConfig(hosts=120, size=300 * CHUNK, racks=4, fail_fraction=0.1, seed=5,
-                             origin_rate=10e9 / 8 / 4))
+                             origin_rate=10e9 / 8 / 4, seeders=16))
     while sim.remaining and sim.step < 1500:
         now = sim.advance()
         if sim.step % 50 == 0:
@@ -123,7 +123,7 @@ def ready_peers(sim, hosts, now):
 def test_what_peers_know_is_what_was_pushed():
     """The bits of ``known`` (rack by rack, each rack on its own cache lines) say exactly what each host
     held at its last bitmap push; every host has a bit of its own. 150 hosts a rack: three words."""
-    sim = FleetSim(SimConfig(hosts=300, size=120 * CHUNK, racks=2, fail_fraction=0.1, seed=3))
+    sim = FleetSim(SimConfig(hosts=300, size=120 * CHUNK, racks=2, fail_fraction=0.1, seed=3, seeders=16))
     hosts, pushes = np.arange(sim.N), 0
     while sim.step * sim.dt < 0.6 * sim.lower:         # past the first deaths, before anyone finishes
         sim.advance()
@@ -159,7 +159,7 @@ def test_the_offered_lists_follow_the_pushes_deaths_and_overflows():
     exactly as one whose lists never fill. Six neighbours a host and many deaths: a dead neighbour
     is often the only one known to hold a chunk."""
     cfg = SimConfig(hosts=120, size=300 * CHUNK, racks=4, fail_fraction=0.3, seed=5, origin_rate=10e9 / 8 / 4,
-                    max_active_peers=6)
+                    max_active_peers=6, seeders=16)
     roomy, tight = FleetSim(cfg), FleetSim(cfg)
     tight.offered = np.zeros((tight.N, 4), tight.offered.dtype)
     checked = detected = 0

@@ -16,6 +16,7 @@ from peerd import manifest as mf
 from peerd.config import default as peerd_default
 from peerd.digests import ALGORITHMS
 from peerd.policy import PolicyConfig
+from peerd.seeders import MAX_SEEDERS
 from peerd.signing import KeyError_, generate_keypair, load_private_key, load_public_key
 from peerd.units import parse_rate, parse_size
 from workflows.types import HostSpec
@@ -728,7 +729,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--racks", type=int, default=20)
     s.add_argument("--oversubscription", type=float, default=1.0, help="rack uplink = hosts x rate / this")
     s.add_argument("--fail", type=float, default=0.05, help="fraction of hosts that die mid-run")
-    s.add_argument("--seeders", type=int, default=16)
+    s.add_argument("--seeders", type=int, default=MAX_SEEDERS,
+                   help=f"hosts that read the origin, round-robin over the racks (default {MAX_SEEDERS}, as a rollout)")
     s.add_argument("--seed", type=int, default=1)
     # peerd's own settings: defaults are peerd's (PolicyConfig, PeerdConfig); names are theirs
     pol = PolicyConfig()

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from peerd.config import default
 from peerd.policy import PolicyConfig
+from peerd.seeders import MAX_SEEDERS
 
 
 @dataclass
@@ -24,7 +25,7 @@ class SimConfig:
     racks: int = 20
     oversubscription: float = 1.0         # rack uplink = hosts_per_rack * rate / oversubscription
     fail_fraction: float = 0.05           # hosts that die at random times mid-run
-    seeders: int = 16                     # hosts that may read the origin (the job names them)
+    seeders: int = MAX_SEEDERS            # hosts that may read the origin (as many as a rollout names)
     seed: int = 1
     # peerd, as started with no flags
     policy: PolicyConfig = field(default_factory=PolicyConfig)
