@@ -3,11 +3,11 @@
 One HTTP server process serves chunk-sized bodies on loopback; this process receives them two ways,
 alternating, and reports its own CPU seconds per GiB for each:
 
-- ``aiohttp``: peerd's receive path until session 17: ``iter_chunked(256 KiB)`` pieces, then one join
+- ``aiohttp``: peerd's former receive path: ``iter_chunked(256 KiB)`` pieces, then one join
   into a contiguous chunk (what ``write_chunk`` did before hashing and writing);
 - ``chunk_fetch``: peerd's path now (``peerd/chunk_fetch.py``): kept-alive blocking connections, each
   response received by a worker thread with ``recv_into(MSG_WAITALL)`` straight into one reused chunk
-  buffer (no stream reader, no pieces, no join; session 17 used an ``asyncio.BufferedProtocol``).
+  buffer (no stream reader, no pieces, no join; an ``asyncio.BufferedProtocol`` was measured slower).
 
 Each timed request leaves one whole chunk in memory, ready to hash and write; hashing and writing
 are not included (``bench throughput`` measures the whole path). The server's CPU is not counted.

@@ -7,7 +7,7 @@ SIZE_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
 
 
 def parse_size(s: str) -> int:
-    """'256M' / '64MiB' (binary), '400GB' (decimal, as in the brief), '1048576' -> bytes."""
+    """'256M' / '64MiB' (binary), '400GB' (decimal, as storage vendors count), '1048576' -> bytes."""
     t = s.strip().lower()
     decimal = t.endswith("b") and not t.endswith("ib")
     t = t.removesuffix("ib").removesuffix("b")

@@ -1,4 +1,4 @@
-"""Issue 9's probes against a real peerd process: full-size manifests (inline and by reference), and
+"""Hostile-client probes against a real peerd process: full-size manifests (inline and by reference), and
 client input that used to answer 500 or grow state without bound. Each answers 4xx and leaves nothing."""
 import asyncio
 import json

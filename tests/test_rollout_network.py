@@ -3,6 +3,7 @@ a namespace of its own behind a tc-shaped link (lib/netns.py), the origin behind
 the router reached across the links (Temporal in a namespace of its own, on an unshaped link). A host or rack cut off mid-distribution, for a while or for good,
 and a host cut off during the traffic shift. Times to notice are printed, not asserted."""
 import asyncio
+import subprocess
 import time
 import uuid
 
@@ -33,6 +34,8 @@ async def netstack(tmp_path, keys):
             await s.stop()
         net.down()
     assert not [n for n in existing_namespaces() if n.startswith(net.tag)]
+    links = subprocess.run(["ip", "-br", "link"], capture_output=True, text=True, check=True).stdout
+    assert f"{net.tag}-gw" not in links                  # the gateway's end here went with the fabric
 
 
 async def received(s: Stack, host: str) -> int:

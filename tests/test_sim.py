@@ -43,7 +43,7 @@ def test_swarm_with_failures_finishes_near_the_bound_with_one_origin_copy(mid_ru
     assert r["origin_copies"] <= 1.05
     assert r["lower_bound_s"] <= r["p50_s"] <= r["max_s"]
     # 400 chunks is short enough that the pipeline's fill and drain show; the ratio falls towards
-    # 1 with more chunks (README: 1,000 hosts x 5,961 chunks)
+    # 1 with more chunks (`weightcast sim --hosts 1000`: 5,961 chunks)
     assert r["ratio"] < 1.35
     assert 0.75 < r["mean_download_utilisation"] <= 1.0
     assert r["naive_over_swarm"] > 1 and r["tree_over_swarm"] > 1
