@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from lib.atomic import write_atomic
 from peerd import digests
 from peerd.manifest import Manifest, parse_body
 
@@ -104,9 +105,7 @@ class VersionStore:
         self.model_dir.mkdir(parents=True, exist_ok=True)
         mpath = self.root / "manifest.json"
         if not mpath.exists():
-            tmp = mpath.with_suffix(".tmp")
-            tmp.write_bytes(signed_manifest)
-            os.replace(tmp, mpath)
+            write_atomic(mpath, signed_manifest)
         bpath = self.root / "bitmap"
         n = len(self.manifest.chunks)
         fd = os.open(bpath, os.O_RDWR | os.O_CREAT, 0o644)
@@ -289,13 +288,11 @@ class VersionStore:
             st = os.stat(self.model_dir / f.path)
             files[f.path] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns,
                              "digest": f.digest, "hash_algorithm": self.manifest.hash_algorithm}
-        tmp = self.model_dir / ".verified.json.tmp"
         try:
-            tmp.write_text(json.dumps({"version": self.manifest.version, "model": self.manifest.model,
-                                       "version_id": self.vid, "files": files}))
-            os.replace(tmp, self.model_dir / "verified.json")
+            write_atomic(self.model_dir / "verified.json", json.dumps({
+                "version": self.manifest.version, "model": self.manifest.model, "version_id": self.vid,
+                "files": files}))
         except OSError as e:
-            tmp.unlink(missing_ok=True)
             _raise_if_enospc(e, "writing verified.json")
             raise
         self.fingerprints = _fingerprints(files)

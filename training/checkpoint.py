@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+from lib.atomic import write_atomic
 from peerd.manifest import ChunkHasher, iter_file_pieces
 
 log = logging.getLogger("weightcast.training.checkpoint")
@@ -91,9 +92,7 @@ def write_digests(path: Path, rank: int, world_size: int, chunk_size: int | None
     ``chunk_size`` its chunk digests)."""
     files = {f.name: _digests(f, chunk_size) for f in _own_files(path, rank)}
     raw = json.dumps({"rank": rank, "world_size": world_size, "chunk_size": chunk_size, "files": files}).encode()
-    tmp = path / f"digests-{rank}.json.tmp"
-    tmp.write_bytes(raw)
-    os.replace(tmp, path / f"digests-{rank}.json")
+    write_atomic(path / f"digests-{rank}.json", raw)
     return raw
 
 
@@ -109,12 +108,6 @@ def try_mark(path: Path, step: int) -> bool:
         return False
     write_atomic(path / MARK, mark_bytes(step, parts))
     return True
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")     # several ranks may write at once: no shared tmp
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 def step_of(path: Path) -> int:

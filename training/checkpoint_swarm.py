@@ -30,7 +30,8 @@ import aiohttp
 from peerd import manifest as mf
 from peerd.client import PeerdClient, PeerdError
 from peerd.http_input import bearer_headers
-from training.checkpoint import MARK, MERGED, step_of, write_atomic
+from lib.atomic import write_atomic
+from training.checkpoint import MARK, MERGED, step_of
 
 log = logging.getLogger("weightcast.training.checkpoint_swarm")
 

@@ -8,12 +8,13 @@ rank at the same step, whatever their own clocks say.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from lib.atomic import write_atomic
 
 
 @dataclass
@@ -33,9 +34,7 @@ def read(path: Path) -> Control:
 
 def write(path: Path, control: Control) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(asdict(control)))
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(asdict(control)))
 
 
 def agree(path: Path, rank: int, group, time_due: bool = False) -> Control:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from lib.atomic import write_atomic
 from training.models import build as build_model
 from training.step_controls import clip_gradients, forward_precision, lr_at, set_lr
 from training.balance import Balancer
@@ -82,9 +83,7 @@ def leave(alive: tuple = ()) -> None:
 
 
 def _write_progress(path: Path, progress: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(progress))
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(progress))
 
 
 def run_rank(rank: int, cfg_dict: dict, out_dir: str, durable: dict | None = None) -> tuple:

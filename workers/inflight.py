@@ -21,7 +21,7 @@ from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
 from temporalio.worker import ActivityInboundInterceptor, ExecuteActivityInput, Interceptor
 
-from training.checkpoint import write_atomic
+from lib.atomic import write_atomic
 
 log = logging.getLogger("weightcast.host_worker")
 TRACKED = frozenset({"distribute", "load_version", "discard_version"})   # training ranks recover on their own

@@ -17,6 +17,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from lib.atomic import write_atomic
 from peerd.signing import generate_keypair
 from weightcast.stack.embedded import EmbeddedStack
 from weightcast.stack.seaweed import ACCESS_KEY, SECRET_KEY
@@ -110,10 +111,8 @@ async def serve(d: Path, hosts: int, rate: float, temporal_port: int, ui_port: i
                  "router": stack.router_addr, "token": stack.token, "signing_key": str(key), "trusted_key": str(pub),
                  "hosts": [asdict(h) for h in stack.hosts],
                  "peerd": {i: p.addr for i, p in stack.peerd.items()}}
-        tmp = state_path(d).with_suffix(".tmp")
-        tmp.touch(mode=0o600)              # it holds the cluster token and S3 credentials
-        tmp.write_text(json.dumps(state, indent=1))
-        tmp.rename(state_path(d))          # appears whole: `up` waits for it
+        # appears whole (`up` waits for it), readable only by its owner: it holds the cluster token and S3 keys
+        write_atomic(state_path(d), json.dumps(state, indent=1), mode=0o600)
         await stop.wait()
     finally:
         state_path(d).unlink(missing_ok=True)
