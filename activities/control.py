@@ -8,7 +8,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from peerd import manifest as mf
-from peerd.http_input import bearer_headers
+from lib.http_input import bearer_headers
 from peerd.manifest_fetch import fetch_from_origin
 from peerd.origin import OriginSpec, S3Origin
 from peerd.signing import load_public_key

@@ -14,7 +14,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
 
 from peerd.client import PeerdClient, PeerdError
-from peerd.http_input import bearer_headers
+from lib.http_input import bearer_headers
 from workflows.types import DiscardInput, DistributeInput, DistributeResult, LoadInput
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from peerd.config import PeerdConfig, default
 from peerd.daemon import Daemon
-from peerd.logging_setup import setup
+from lib.logging_setup import setup
 from peerd.policy import PolicyConfig
 from peerd.units import parse_rate
 

@@ -6,7 +6,7 @@ import time
 
 import aiohttp
 
-from peerd.http_input import bearer_headers
+from lib.http_input import bearer_headers
 
 
 class PeerdError(RuntimeError):

@@ -11,10 +11,10 @@ from aiohttp import web
 
 from peerd import manifest as mf
 from peerd.config import PeerdConfig
-from peerd.conn_guard import ConnectionGuard
+from lib.conn_guard import ConnectionGuard
 from peerd import have_stream
 from peerd.chunk_fetch import ChunkFetcher
-from peerd.http_input import bearer_headers
+from lib.http_input import bearer_headers
 from peerd.job import FetchJob
 from peerd.manifest_fetch import fetch_from_origin, pinned_document, verify_named, verify_pinned
 from peerd.membership import Membership

@@ -20,7 +20,7 @@ import time
 import aiohttp
 from aiohttp import web
 
-from peerd.http_input import BadInput, parse_json
+from lib.http_input import BadInput, parse_json
 from peerd.wire import MAX_GOSSIP_BYTES, WireError, check_gossip, check_have
 
 log = logging.getLogger("peerd.have")

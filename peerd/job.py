@@ -9,21 +9,18 @@ import asyncio
 import logging
 import time
 from functools import partial
-from typing import TYPE_CHECKING
 
 import aiohttp
 
 from peerd.buffer_pool import BufferPool
 from peerd.choice import origin_slots
 from peerd.chunk_fetch import BadResponse, PeerStatus, WrongLength
+from peerd.job_host import JobHost
 from peerd.manifest import Manifest
 from peerd.origin import OriginError, OriginSpec, S3Origin
 from peerd.policy import ORIGIN, Cancel, Request, SwarmPolicy
 from peerd.store import ChunkDigestMismatch, DiskFullError, VersionStore
 from peerd.wire import WireError, unpack_bits
-
-if TYPE_CHECKING:
-    from peerd.daemon import Daemon
 
 log = logging.getLogger("peerd.job")
 
@@ -37,9 +34,9 @@ class PeerMissing(Exception):
 
 
 class FetchJob:
-    def __init__(self, daemon: "Daemon", vs: VersionStore, origin: OriginSpec | None, seeders: list[str],
+    def __init__(self, host: JobHost, vs: VersionStore, origin: OriginSpec | None, seeders: list[str],
                  adopt: bool = False):
-        self.d = daemon
+        self.host = host
         self.adopt = adopt            # files were placed in the store by its host: verify them in place first
         self.vs = vs
         self.m: Manifest = vs.manifest
@@ -53,7 +50,7 @@ class FetchJob:
         self.bytes = {"peer": 0, "origin": 0, "local": 0}
         self.duplicate_bytes = 0                 # received for a chunk verified meanwhile (endgame's second source)
         self.policy: SwarmPolicy | None = None
-        cfg = daemon.config.policy
+        cfg = host.config.policy
         # kept up to every request the policy may have in flight at once (peers, origin, endgame):
         # a bound below that peak would free buffers only to allocate (and zero) them again at the next
         self.buffers = BufferPool(max((c.size for c in self.m.chunks), default=0),
@@ -80,7 +77,7 @@ class FetchJob:
     async def _run(self) -> None:
         try:
             if self.origin_spec is not None:   # the S3 client takes a while to build: start it now
-                self._origin = await S3Origin(self.origin_spec, session=self.d.s3_session).__aenter__()
+                self._origin = await S3Origin(self.origin_spec, session=self.host.s3_session).__aenter__()
             if self.adopt:
                 await self._adopt_in_place()
             await self._copy_local()
@@ -90,7 +87,7 @@ class FetchJob:
             self.state, self.finished = "complete", time.time()
             log.info("version complete", extra={"vid": self.vs.vid, "bytes": self.bytes,
                                                 "seconds": round(self.finished - self.started, 3)})
-            self.d.announce_soon()
+            self.host.announce_soon()
         except DiskFullError as e:
             self._fail("disk_full", str(e))
         except asyncio.CancelledError:
@@ -114,7 +111,7 @@ class FetchJob:
     def _fail(self, code: str, message: str) -> None:
         self.state, self.finished = "failed", time.time()
         self.error = {"code": code, "message": message}
-        self.d.metrics.job_failures.labels(code).inc()
+        self.host.metrics.job_failures.labels(code).inc()
         log.error("job failed", extra={"vid": self.vs.vid, "code": code, "error": message})
 
     async def _adopt_in_place(self) -> None:
@@ -125,11 +122,11 @@ class FetchJob:
                     and await asyncio.to_thread(self.vs.adopt_chunk, c.index):
                 self.vs.mark_verified(c.index)
                 self.bytes["local"] += c.size
-                self.d.metrics.chunks.labels("local").inc()
+                self.host.metrics.chunks.labels("local").inc()
 
     async def _copy_local(self) -> None:
         """Delta rollout: chunks whose digest an earlier stored version holds are copied, not fetched."""
-        local = self.d.store.local_chunks(exclude_vid=self.vs.vid)
+        local = self.host.store.local_chunks(exclude_vid=self.vs.vid)
         for c in self.m.chunks:
             loc = local.get((c.digest, c.size))
             if loc is None or self.vs.has(c.index):
@@ -142,12 +139,12 @@ class FetchJob:
                 log.warning("local copy of chunk %d did not verify; will fetch it", c.index)
                 continue
             self.bytes["local"] += c.size
-            self.d.metrics.chunks.labels("local").inc()
+            self.host.metrics.chunks.labels("local").inc()
 
     # ---------------------------------------------------------------- the swarm loop
     async def _swarm(self) -> None:
-        cfg = self.d.config
-        members = self.d.membership
+        cfg = self.host.config
+        members = self.host.membership
         rack_members = tuple(sorted([cfg.host_id] + [m.id for m in members.members.values() if m.rack == cfg.rack]))
         self.policy = SwarmPolicy(me=cfg.host_id, n_chunks=len(self.m.chunks), rack=cfg.rack, have=self.vs.bits,
                                   config=cfg.policy, seed=hash(cfg.host_id) & 0xFFFFFFFF,
@@ -182,18 +179,18 @@ class FetchJob:
     def _expire_unknown_seeders(self, age: float) -> None:
         """A seeder no gossip has ever reached us from is as good as dead: its origin stripe moves
         to the living seeders instead of waiting forever."""
-        if age < self.d.config.dead_after:
+        if age < self.host.config.dead_after:
             return
-        members = self.d.membership.members
+        members = self.host.membership.members
         for sid in self.seeders:
-            if sid != self.d.config.host_id and (sid not in members or members[sid].dead):
+            if sid != self.host.config.host_id and (sid not in members or members[sid].dead):
                 self.policy.member_dead(sid)
 
     # ---------------------------------------------------------------- events from the daemon
     def on_bitmap(self, peer_id: str, rack: str, packed: str, load: float | None = None) -> None:
         if self.policy is None or self.state != "fetching":
             return
-        if peer_id not in self.policy.peers and len(self.policy.peers) >= self.d.config.max_active_peers:
+        if peer_id not in self.policy.peers and len(self.policy.peers) >= self.host.config.max_active_peers:
             return
         self.policy.peer_bitmap(peer_id, unpack_bits(packed, len(self.m.chunks)),
                                 asyncio.get_running_loop().time(), rack=rack, load=load)
@@ -257,7 +254,7 @@ class FetchJob:
             else:
                 log.warning("quarantining peer that served a bad chunk",
                             extra={"peer": r.source, "chunk": r.chunk, "error": str(e)})
-                self.d.note_quarantine(r.source, str(e))
+                self.host.note_quarantine(r.source, str(e))
         except PeerBusy:
             reason = "busy"
         except PeerMissing:
@@ -275,38 +272,38 @@ class FetchJob:
             self._wake.set()
         now = loop.time()
         if reason is not None:
-            self.d.metrics.failures.labels(reason).inc()
+            self.host.metrics.failures.labels(reason).inc()
             self._cancel(self.policy.chunk_failed(r.chunk, r.source, reason, now))
             return
         src = "origin" if r.source == ORIGIN else "peer"
         self.bytes[src] += c.size
         self.last_progress = time.time()
-        self.d.metrics.bytes_in.labels(src).inc(c.size)
-        self.d.metrics.chunks.labels(src).inc()
-        self.d.metrics.progress.labels(self.vs.vid[:12]).set(self.vs.done_chunks / len(self.m.chunks))
+        self.host.metrics.bytes_in.labels(src).inc(c.size)
+        self.host.metrics.chunks.labels(src).inc()
+        self.host.metrics.progress.labels(self.vs.vid[:12]).set(self.vs.done_chunks / len(self.m.chunks))
         self._cancel(self.policy.chunk_done(r.chunk, r.source, c.size, now - t0, now))
-        self.d.have_news()
+        self.host.have_news()
 
     async def _from_origin(self, c, into: memoryview) -> None:
         if self.origin_spec is None:
             raise OriginError("no origin configured for this version")
         if self._origin is None:
-            self._origin = await S3Origin(self.origin_spec, session=self.d.s3_session).__aenter__()
+            self._origin = await S3Origin(self.origin_spec, session=self.host.s3_session).__aenter__()
 
         async def paced(n: int) -> None:
-            await self.d.origin_bucket.acquire(n)
-            await self.d.download_bucket.acquire(n, priority=True)
+            await self.host.origin_bucket.acquire(n)
+            await self.host.download_bucket.acquire(n, priority=True)
 
         await self._origin.read_range(c.file, c.offset, into, on_piece=paced)
 
     async def _from_peer(self, peer_id: str, c, into: memoryview) -> None:
         """The chunk's bytes from a peer, received in place into ``into`` (peerd/chunk_fetch.py); a
         silent uploader (its host died mid-upload) is given up after stall_after, not dead_after."""
-        member = self.d.membership.members.get(peer_id)
+        member = self.host.membership.members.get(peer_id)
         if member is None:
             raise PeerMissing()
         try:
-            await self.d.chunks.fetch(member.addr, f"/v1/versions/{self.vs.vid}/chunks/{c.index}", into)
+            await self.host.chunks.fetch(member.addr, f"/v1/versions/{self.vs.vid}/chunks/{c.index}", into)
         except PeerStatus as e:
             if e.status == 404:
                 raise PeerMissing() from None

@@ -8,9 +8,9 @@ import re
 from aiohttp import web
 
 from peerd import have_stream
-from peerd.http_input import BadInput, bearer_ok, read_json
+from lib.http_input import BadInput, bearer_ok, read_json
 from peerd.manifest import ManifestError
-from peerd.metrics import metrics_handler
+from lib.metrics_http import metrics_handler
 from peerd.origin import OriginError
 from peerd.store import DiskFullError, StoreError
 from peerd.wire import MAX_GOSSIP_BYTES, MAX_JOB_BYTES, WireError, check_gossip, check_job, check_vid, pack_bits

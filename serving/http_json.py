@@ -5,7 +5,7 @@ import json
 
 from aiohttp import web
 
-from peerd.http_input import BadInput, read_json
+from lib.http_input import BadInput, read_json
 
 MAX_BODY = 1024 * 1024
 

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import aiohttp
 from aiohttp import web
 
-from peerd.http_input import BadInput, read_json
+from lib.http_input import BadInput, read_json
 from serving import openai_protocol as oa
 from serving.engine import VersionGone, VersionKey
 from serving.http_json import MAX_BODY

@@ -21,9 +21,9 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from peerd.conn_guard import run_guarded
-from peerd.http_input import bearer_ok
-from peerd.metrics import metrics_handler
+from lib.conn_guard import run_guarded
+from lib.http_input import bearer_ok
+from lib.metrics_http import metrics_handler
 from serving import openai_protocol as oa, router_openai
 from serving.capacity import CapacityRules
 from serving.http_json import MAX_BODY, bad_request, json_object
@@ -311,7 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from peerd.logging_setup import setup
+    from lib.logging_setup import setup
     a = build_parser().parse_args(argv)
     setup()
     if not a.admin_token:

@@ -19,7 +19,7 @@ import time
 import aiohttp
 from aiohttp import web
 
-from peerd.http_input import BadInput, read_json
+from lib.http_input import BadInput, read_json
 from serving import openai_protocol as oa
 from serving.http_json import MAX_BODY
 from serving.routing import RoutingError, UnknownVersion

@@ -23,9 +23,9 @@ from pathlib import Path
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from peerd.conn_guard import run_guarded
-from peerd.http_input import bearer_ok
-from peerd.metrics import metrics_handler
+from lib.conn_guard import run_guarded
+from lib.http_input import bearer_ok
+from lib.metrics_http import metrics_handler
 from serving import openai_host
 from serving.auto_engine import AutoEngine
 from serving.engine import Engine, VersionGone, VersionKey
@@ -321,7 +321,7 @@ def make_engine(name: str = "transformers", workdir: Path | None = None, vllm_py
 
 
 def main(argv=None) -> int:
-    from peerd.logging_setup import setup
+    from lib.logging_setup import setup
     a = build_parser().parse_args(argv)
     setup()
     if not a.admin_token:

@@ -9,7 +9,6 @@ import pytest
 from peerd.chunk_fetch import BadResponse, ChunkFetcher, PeerStatus, WrongLength
 from peerd.ratelimit import TokenBucket
 
-pytestmark = pytest.mark.asyncio
 BODY = os.urandom(300_000)
 
 

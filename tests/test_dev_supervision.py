@@ -6,7 +6,6 @@ import signal
 import time
 import uuid
 
-import pytest
 from temporalio.service import RPCError
 
 from tests.rollout_fixtures import Stack
@@ -14,8 +13,6 @@ from tests.test_cli_bench import _pid_of
 from tests.test_rollout_faults import RATE, wait_progress
 from weightcast.rollouts import start_rollout
 from weightcast.stack.supervisor import Supervisor
-
-pytestmark = pytest.mark.asyncio
 
 
 async def test_supervisor_restarts_with_back_off_and_logs(caplog):

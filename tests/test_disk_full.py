@@ -13,7 +13,6 @@ from tests.test_rollout_faults import RATE
 from weightcast.rollouts import start_rollout
 from workflows.rollout import RolloutWorkflow
 
-pytestmark = pytest.mark.asyncio
 STORE_FS = 4 * 1024 * 1024       # room for the two ~0.6 MB versions with space to spare, before the filler
 
 

@@ -4,7 +4,6 @@ model servers. No workflow payload carries the manifest: the largest payload in 
 a few KB while the signed manifest is over a MB."""
 import json
 
-import pytest
 from temporalio.api.enums.v1 import EventType
 
 from peerd.origin import OriginSpec
@@ -16,7 +15,6 @@ from weightcast.publish import PublishRequest, publish_and_start
 from weightcast.stack.embedded import EmbeddedStack
 from weightcast.stack.seaweed import ACCESS_KEY, SECRET_KEY
 
-pytestmark = pytest.mark.asyncio
 CHUNKS = 6_400
 
 

@@ -3,7 +3,6 @@ successive rollouts retire versions older than the two a rollout keeps, never on
 traffic on too few hosts."""
 import contextlib
 
-import pytest
 from temporalio.testing import ActivityEnvironment
 
 from activities.host import HostActivities
@@ -12,8 +11,6 @@ from serving.server import ModelServer, make_app as server_app
 from tests.serving_fixtures import store_root, verified_version
 from weightcast.stack.embedded import serve_app
 from workflows.types import LoadInput
-
-pytestmark = pytest.mark.asyncio
 
 
 @contextlib.asynccontextmanager

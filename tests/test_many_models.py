@@ -5,14 +5,12 @@ every rollout."""
 import asyncio
 
 import aiohttp
-import pytest
 
 from peerd.client import PeerdClient
 from tests.rollout_fixtures import Stack
 from weightcast.rollouts import start_rollout
 from workflows.rollout import RolloutWorkflow
 
-pytestmark = pytest.mark.asyncio
 HOSTS = ["a", "b"]
 
 

@@ -1,12 +1,10 @@
 """The model server over real HTTP on loopback."""
 import aiohttp
-import pytest
 from aiohttp import web
 
 from serving.server import ModelServer, make_app
 from tests.serving_fixtures import store_root, verified_version
 
-pytestmark = pytest.mark.asyncio
 ADMIN = "admin-secret"
 ADM = {"Authorization": f"Bearer {ADMIN}"}
 

@@ -9,7 +9,6 @@ from peerd.chunk_fetch import ChunkFetcher, PeerStatus
 from peerd.ratelimit import TokenBucket
 from tests.fleet import TOKEN, Fleet
 
-pytestmark = pytest.mark.asyncio
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 

@@ -12,7 +12,6 @@ from peerd.wire import WireError, check_id, check_vid
 from tests.fleet import TOKEN, Fleet, publish
 from weightcast.checkpoint_random import write_random_checkpoint
 
-pytestmark = pytest.mark.asyncio
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 FULL_SIZE_CHUNKS = 6_400       # 400 GB at 64 MiB chunks
 

@@ -10,7 +10,6 @@ import pytest
 
 from tests.fleet import Fleet, host_files_match, publish, wait_all
 
-pytestmark = pytest.mark.asyncio
 
 RATE = 8 * 1024 * 1024   # slow enough that faults land mid-transfer
 

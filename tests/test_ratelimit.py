@@ -4,8 +4,6 @@ import pytest
 from peerd import ratelimit
 from peerd.ratelimit import TokenBucket
 
-pytestmark = pytest.mark.asyncio
-
 
 @pytest.fixture
 def waits(monkeypatch):

@@ -14,8 +14,6 @@ from weightcast.rollouts import start_rollout
 from workflows.rollout import RolloutWorkflow
 from workflows.types import CONTROL_QUEUE, HostSpec
 
-pytestmark = pytest.mark.asyncio
-
 
 async def test_rollout_end_to_end(tmp_path, seaweed, keys):
     s = await Stack().start(tmp_path, seaweed, keys, ["a", "b", "c"])

@@ -21,7 +21,6 @@ from weightcast.rollouts import start_rollout
 from workflows.rollout import RolloutWorkflow
 from workflows.types import AnalysisConfig
 
-pytestmark = pytest.mark.asyncio
 ANALYSIS = AnalysisConfig(interval_s=2.0, min_requests=10, max_error_rate=0.05, max_error_rate_increase=0.02,
                           max_p99_ratio=3.0, min_p99_increase_ms=25.0, max_inconclusive=2)   # the slow fault: +80 ms
 

@@ -20,7 +20,6 @@ from weightcast.rollout_status import live_status
 from weightcast.rollouts import start_rollout
 from workflows.rollout import RolloutWorkflow
 
-pytestmark = pytest.mark.asyncio
 ACT_WITHIN_S = 5.0
 
 

@@ -17,7 +17,6 @@ from weightcast.rollouts import InvalidRolloutInput, start_rollout
 from workflows.rollout import RolloutWorkflow
 from workflows.types import CONTROL_QUEUE, HostSpec
 
-pytestmark = pytest.mark.asyncio
 RATE = 128 * 1024        # bytes/s per link: the ~0.5 MB checkpoint takes seconds, long enough to strike mid-way
 
 

@@ -5,7 +5,6 @@ import json
 import shutil
 import uuid
 
-import pytest
 
 from peerd import manifest as mf
 from peerd.client import PeerdClient
@@ -15,8 +14,6 @@ from tests.rollout_fixtures import Stack
 from tests.serving_fixtures import SMALL
 from weightcast.rollouts import start_rollout
 from workflows.rollout import RolloutWorkflow
-
-pytestmark = pytest.mark.asyncio
 
 
 def disk_bytes(path) -> int:

@@ -1,14 +1,12 @@
 """The router's HTTP API as an outsider would probe it: the admin API needs the admin token, a
 client's bad request never takes a host out of the pool, and odd input is a 4xx."""
 import aiohttp
-import pytest
 
 from serving.router import Router, make_app as router_app
 from serving.server import ModelServer, make_app as server_app
 from tests.serving_fixtures import store_root, verified_version
 from weightcast.stack.embedded import serve_app
 
-pytestmark = pytest.mark.asyncio
 ADMIN = "router-admin"
 ADM = {"Authorization": f"Bearer {ADMIN}"}
 

@@ -7,7 +7,6 @@ import asyncio
 import random
 
 import aiohttp
-import pytest
 import torch
 
 from serving.router import Router, make_app as router_app
@@ -16,7 +15,6 @@ from serving.model import init_model
 from tests.serving_fixtures import SMALL, store_root, verified_version
 from tests.test_model_server import serve
 
-pytestmark = pytest.mark.asyncio
 HOSTS = ["h0", "h1", "h2", "h3"]
 
 

@@ -29,7 +29,7 @@ import aiohttp
 
 from peerd import manifest as mf
 from peerd.client import PeerdClient, PeerdError
-from peerd.http_input import bearer_headers
+from lib.http_input import bearer_headers
 from lib.atomic import write_atomic
 from training.checkpoint import MARK, MERGED, step_of
 

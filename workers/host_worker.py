@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from peerd.logging_setup import setup
+    from lib.logging_setup import setup
     a = build_parser().parse_args(argv)
     setup()
 

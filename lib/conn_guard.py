@@ -12,7 +12,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-log = logging.getLogger("peerd.conn_guard")
+log = logging.getLogger("lib.conn_guard")
 
 
 class ConnectionGuard:
