@@ -71,7 +71,7 @@ def test_ci_example_publish_command_parses():
     assert len(runs) == 1
     argv = shlex.split(placeholders([runs[0]])[0])
     a = cli.build_parser().parse_args(argv[1:])
-    assert a.fn is cli.cmd_publish and a.wait and a.hosts == Path("infra/fleet/hosts.json")
+    assert a.fn is cli.rollout.cmd_publish and a.wait and a.hosts == Path("infra/fleet/hosts.json")
     assert len(hosts_from_file(INFRA / "fleet" / "hosts.json")) == 3
 
 
@@ -81,7 +81,7 @@ def test_ci_example_trains_with_a_config_and_command_that_parse():
     assert len(runs) == 1
     argv = shlex.split(placeholders([runs[0]])[0])
     a = cli.build_parser().parse_args(argv[1:])
-    assert a.fn is cli.cmd_train and a.sub == "start" and a.wait and a.export
+    assert a.fn is cli.train.cmd_train and a.sub == "start" and a.wait and a.export
     cfg = TrainConfig.load(REPO / a.config, a.set)        # the config file is real and valid
     assert cfg.world_size < len(a.hosts.split(","))       # a spare to migrate to
 
@@ -100,12 +100,12 @@ def test_ci_example_chain_parses_and_checks_its_rollout():
                                                      and not a.endswith(".log")]).key == Path("signing.pem")
     train = next(r for r in runs if "train" in r and "start" in r)
     a = cli.build_parser().parse_args(train[1:])
-    assert a.fn is cli.cmd_train and a.wait and a.roll_out == Path("infra/fleet/hosts.json")
+    assert a.fn is cli.train.cmd_train and a.wait and a.roll_out == Path("infra/fleet/hosts.json")
     cfg = TrainConfig.load(REPO / a.config, a.set)
     a.endpoint = "https://s3.example.internal"                  # $AWS_ENDPOINT_URL in the job
     inp = TrainingInput(run=a.run, config=cfg.to_dict(), hosts=a.hosts.split(","), checkpoint_dir=str(a.checkpoint_dir),
-                        export_dir=str(a.export), rollout=cli._training_rollout(a), min_world_size=a.min_world_size,
-                        checkpoint_archive=cli._archive(a))
+                        export_dir=str(a.export), rollout=cli.train.training_rollout(a), min_world_size=a.min_world_size,
+                        checkpoint_archive=cli.train.archive_spec(a))
     check_training(inp)                                         # raises on anything it would refuse
     assert inp.rollout.model == "llm" and inp.checkpoint_archive["bucket"] == "weights"
 

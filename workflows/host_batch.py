@@ -15,7 +15,7 @@ from temporalio.exceptions import ActivityError, TimeoutError as TemporalTimeout
 from temporalio.workflow import ActivityCancellationType
 
 with workflow.unsafe.imports_passed_through():
-    from workflows.types import DistributeResult, HostBatchInput, HostOutcome, HostSpec
+    from workflows.types import DistributeResult, HostBatchInput, HostOutcome, HostSpec, HostState
 
 STOP_ACK_S = 2.0     # how long a stopped host may take to say what it kept (a dead worker never does)
 
@@ -46,7 +46,7 @@ class HostBatchWorkflow:
     async def _one(self, spec: HostSpec, inp: HostBatchInput) -> HostOutcome:
         try:
             res: DistributeResult = await self._distribute(spec, inp)
-            return HostOutcome(spec.id, "verified", bytes_total=res.bytes_total, seconds=res.seconds)
+            return HostOutcome(spec.id, HostState.VERIFIED, bytes_total=res.bytes_total, seconds=res.seconds)
         except ActivityError as e:
             return _failed(spec, e)
 
@@ -59,20 +59,20 @@ class HostBatchWorkflow:
             try:
                 await workflow.wait_condition(act.done, timeout=timedelta(seconds=STOP_ACK_S))
             except asyncio.TimeoutError:
-                return HostOutcome(spec.id, "stopped", f"did not confirm the stop within {STOP_ACK_S:g} s")
+                return HostOutcome(spec.id, HostState.STOPPED, f"did not confirm the stop within {STOP_ACK_S:g} s")
         try:
             res: DistributeResult = act.result()
         except ActivityError as e:
             if self.stopping:          # cancelled by a host that says nothing of what it kept
-                return HostOutcome(spec.id, "stopped", str(e.cause or e))
+                return HostOutcome(spec.id, HostState.STOPPED, str(e.cause or e))
             return _failed(spec, e)
         if res.stopped:
-            return HostOutcome(spec.id, "stopped", bytes_total=res.bytes_total, bytes_held=res.bytes_held)
-        return HostOutcome(spec.id, "verified", bytes_total=res.bytes_total, seconds=res.seconds)
+            return HostOutcome(spec.id, HostState.STOPPED, bytes_total=res.bytes_total, bytes_held=res.bytes_held)
+        return HostOutcome(spec.id, HostState.VERIFIED, bytes_total=res.bytes_total, seconds=res.seconds)
 
 
 def _failed(spec: HostSpec, e: ActivityError) -> HostOutcome:
     cause = e.cause
     if isinstance(cause, TemporalTimeout) and cause.type == TimeoutType.SCHEDULE_TO_START:
-        return HostOutcome(spec.id, "unreachable", f"no worker polled {spec.queue}")
-    return HostOutcome(spec.id, "failed", str(cause or e))
+        return HostOutcome(spec.id, HostState.UNREACHABLE, f"no worker polled {spec.queue}")
+    return HostOutcome(spec.id, HostState.FAILED, str(cause or e))

@@ -28,14 +28,15 @@ with workflow.unsafe.imports_passed_through():
     from workflows.host_batch import HostBatchWorkflow
     from workflows.rollout_legacy import MAX_PENDING_LOADS, LegacyRolloutPaths
     from workflows.types import (CONTROL_QUEUE, AnalysisInput, AnalysisResult, DiscardInput, DistributeInput,
-                                 FleetPlan, HostBatchInput, HostOutcome, HostSpec, InventoryCheck, LoadInput,
-                                 ManifestCheck, ManifestInfo, RolloutCarry, RolloutInput, RolloutStatus, TrafficInput)
+                                 FleetPlan, HostBatchInput, HostOutcome, HostSpec, HostState, InventoryCheck, LoadInput,
+                                 ManifestCheck, ManifestInfo, Phase, RolloutCarry, RolloutInput, RolloutStatus,
+                                 TrafficInput)
 
 PHASE = SearchAttributeKey.for_keyword("RolloutPhase")
 STEPS_PATCH = "controls-preempt-retries"
 BACKOFF_MAX_S = 30.0          # retries of a failing step: 1, 2, 4, ... seconds, at most this
 DISCARD_WAIT_S = 15.0         # an abort waits at most this long for a host's worker to take its discard
-DONE_STATES = ("verified", "loading", "ready")
+DONE_STATES = (HostState.VERIFIED, HostState.LOADING, HostState.READY)
 
 
 def _final(e: ActivityError) -> bool:
@@ -49,7 +50,7 @@ def _final(e: ActivityError) -> bool:
 @workflow.defn
 class RolloutWorkflow(LegacyRolloutPaths):
     def __init__(self) -> None:
-        self.phase = "starting"
+        self.phase = Phase.STARTING
         self.hosts: dict[str, str] = {}
         self.specs: list[HostSpec] = []    # the fleet: inline, or ids and queues of a host list by reference
         self.seeders: list[str] = []
@@ -96,11 +97,11 @@ class RolloutWorkflow(LegacyRolloutPaths):
 
     def _control(self) -> str:
         """A control asked for and not yet acted on, in words."""
-        if self.abort_reason and self.phase == "aborting":
+        if self.abort_reason and self.phase == Phase.ABORTING:
             return f"abort requested ({self.abort_reason}), being carried out: {self.detail}"
-        if self.abort_reason and self.phase not in ("failed", "done"):
+        if self.abort_reason and self.phase not in (Phase.FAILED, Phase.DONE):
             return f"abort requested ({self.abort_reason}): stopping {self.phase}"
-        if self.paused and not self.holding and self.phase not in ("failed", "done"):
+        if self.paused and not self.holding and self.phase not in (Phase.FAILED, Phase.DONE):
             return f"pause requested: stopping what {self.phase} is running"
         return ""
 
@@ -122,7 +123,7 @@ class RolloutWorkflow(LegacyRolloutPaths):
     def _validate_abort(self, reason: str) -> None:
         if not isinstance(reason, str) or not reason.strip():
             raise ValueError("abort needs a reason (it goes into the audit trail)")
-        if self.phase == "done":
+        if self.phase == Phase.DONE:
             raise ValueError("the rollout is already done; start a rollback instead")
 
     @workflow.update
@@ -136,9 +137,10 @@ class RolloutWorkflow(LegacyRolloutPaths):
             raise ValueError(f"max_concurrent_loads must be an integer in [1, 10000], got {n!r}")
 
     # ---------------------------------------------------------------- phases
-    def _set_phase(self, phase: str, detail: str = "") -> None:
+    def _set_phase(self, phase: Phase, detail: str = "") -> None:
         now = workflow.time()
-        if phase != self.phase and self.phase in ("manifest", "distribute", "verify", "load", "traffic"):
+        timed = (Phase.MANIFEST, Phase.DISTRIBUTE, Phase.VERIFY, Phase.LOAD, Phase.TRAFFIC)
+        if phase != self.phase and self.phase in timed:
             self.phase_seconds[self.phase] = round(self.phase_seconds.get(self.phase, 0.0) + now - self._phase_t0, 3)
         if phase != self.phase:
             self._phase_t0 = now
@@ -243,7 +245,7 @@ class RolloutWorkflow(LegacyRolloutPaths):
                                    non_retryable=True)
         self.max_loads = inp.max_concurrent_loads
         self.specs = list(inp.hosts)
-        self.hosts = {h.id: "pending" for h in inp.hosts}
+        self.hosts = {h.id: HostState.PENDING for h in inp.hosts}
         self._phase_t0 = workflow.time()
         if not workflow.patched(STEPS_PATCH):
             return await self._v1_entry(inp)         # a history recorded before steps were preemptible
@@ -255,7 +257,7 @@ class RolloutWorkflow(LegacyRolloutPaths):
         except ApplicationError as e:
             failure = await self._after_abort(inp) if e.type == "Aborted" else None
             self.retrying.clear()
-            self._set_phase("failed", str(failure or e))
+            self._set_phase(Phase.FAILED, str(failure or e))
             if failure:
                 raise failure from None
             raise
@@ -265,7 +267,7 @@ class RolloutWorkflow(LegacyRolloutPaths):
         the error to end with when moving traffic back failed (the workflow still ends failed, saying so)."""
         self.retrying.clear()
         if inp.router and inp.previous_version:
-            self._set_phase("aborting", f"moving traffic back to {inp.previous_version}")
+            self._set_phase(Phase.ABORTING, f"moving traffic back to {inp.previous_version}")
             try:
                 await self._traffic_now(inp, {inp.previous_version: 100})
             except ActivityError as te:
@@ -276,13 +278,13 @@ class RolloutWorkflow(LegacyRolloutPaths):
             return None
         if self.traffic.get(inp.version):
             # no previous version to move its traffic to: it keeps serving, so it stays where it is
-            self._set_phase("aborting", f"{inp.version} still carries {self.traffic[inp.version]}% of traffic "
+            self._set_phase(Phase.ABORTING, f"{inp.version} still carries {self.traffic[inp.version]}% of traffic "
                                         "(no previous version to return to): left loaded and stored")
             return None
         # a host no worker served (unreachable) is not waited for again: what it may hold is pruned by
         # its next rollout, and it never loaded this version
-        hosts = [h for h in self.specs if self.hosts.get(h.id) != "unreachable"]
-        self._set_phase("aborting", f"removing {inp.version} from {len(hosts)} hosts")
+        hosts = [h for h in self.specs if self.hosts.get(h.id) != HostState.UNREACHABLE]
+        self._set_phase(Phase.ABORTING, f"removing {inp.version} from {len(hosts)} hosts")
         results = await asyncio.gather(*(workflow.execute_activity(
             "discard_version", DiscardInput(inp.version, self.version_id, inp.model), task_queue=h.queue,
             schedule_to_start_timeout=timedelta(seconds=min(inp.unreachable_after_s, DISCARD_WAIT_S)),
@@ -291,12 +293,12 @@ class RolloutWorkflow(LegacyRolloutPaths):
         for h, r in zip(hosts, results):
             if isinstance(r, BaseException):
                 self.errors[h.id] = f"could not remove the aborted version: {getattr(r, 'cause', None) or r}"
-            elif self.hosts.get(h.id) not in ("failed", "unreachable"):
+            elif self.hosts.get(h.id) not in (HostState.FAILED, HostState.UNREACHABLE):
                 self.hosts[h.id] = "discarded"
         return None
 
     async def _run(self, inp: RolloutInput) -> dict:
-        self._set_phase("manifest", "checking the signature")
+        self._set_phase(Phase.MANIFEST, "checking the signature")
         try:
             if inp.manifest is not None:   # by reference: the activity fetches it and checks digest and signature
                 info: ManifestInfo = await self._step(
@@ -316,18 +318,18 @@ class RolloutWorkflow(LegacyRolloutPaths):
         self.bytes_total, self.version_id = info.bytes_total, info.version_id
         if inp.inventory is not None:
             await self._fleet(inp)
-            self.hosts = {h.id: "pending" for h in self.specs}
+            self.hosts = {h.id: HostState.PENDING for h in self.specs}
         else:
             self.seeders = seeders_across_racks([(h.id, h.rack) for h in inp.hosts], MAX_SEEDERS)
 
         await self._hold()
-        self._set_phase("distribute", f"{len(self.specs)} hosts, {info.bytes_total} bytes")
+        self._set_phase(Phase.DISTRIBUTE, f"{len(self.specs)} hosts, {info.bytes_total} bytes")
         await self._distribute(inp, DistributeInput(inp.signed_manifest, inp.origin, self.seeders, inp.manifest))
         await self._budget(inp)
 
-        self._set_phase("verify", "every chunk was checked against the signed manifest on arrival")
+        self._set_phase(Phase.VERIFY, "every chunk was checked against the signed manifest on arrival")
         await self._hold()
-        self._set_phase("load", f"at most {self.max_loads} hosts at a time")
+        self._set_phase(Phase.LOAD, f"at most {self.max_loads} hosts at a time")
         return await self._load_and_shift(inp, info)
 
     async def _fleet(self, inp: RolloutInput) -> None:
@@ -352,7 +354,7 @@ class RolloutWorkflow(LegacyRolloutPaths):
         round_ = 0
         while todo:
             for h in todo:
-                self.hosts[h.id] = "downloading"
+                self.hosts[h.id] = HostState.DOWNLOADING
             batches = [todo[i:i + inp.batch_size] for i in range(0, len(todo), inp.batch_size)]
             suffix = "" if round_ == 0 else f"-r{round_}"
             self.batches = [f"{workflow.info().workflow_id}-batch-{i}{suffix}" for i in range(len(batches))]
@@ -363,8 +365,8 @@ class RolloutWorkflow(LegacyRolloutPaths):
             await workflow.wait_condition(lambda: all(c.done() for c in children) or self._controlled())
             await asyncio.gather(*(self._stop_batch(c) for c in children if not c.done()))
             for outcome in (o for batch in await asyncio.gather(*children) for o in batch):
-                if outcome.state == "stopped":
-                    self.hosts[outcome.host] = "paused"
+                if outcome.state == HostState.STOPPED:
+                    self.hosts[outcome.host] = HostState.PAUSED
                     if outcome.bytes_held >= 0:
                         self.held[outcome.host] = outcome.bytes_held
                     continue
@@ -372,13 +374,13 @@ class RolloutWorkflow(LegacyRolloutPaths):
                 self.held.pop(outcome.host, None)
                 if outcome.error:
                     self.errors[outcome.host] = outcome.error
-            todo = [h for h in self.specs if self.hosts[h.id] == "paused"]
+            todo = [h for h in self.specs if self.hosts[h.id] == HostState.PAUSED]
             if todo:
                 if not self.abort_reason:
-                    self._set_phase("distribute", f"PAUSED: {len(todo)} downloads stopped, verified chunks kept "
+                    self._set_phase(Phase.DISTRIBUTE, f"PAUSED: {len(todo)} downloads stopped, verified chunks kept "
                                                   f"({sum(self.held.get(h.id, 0) for h in todo)} bytes); resume or abort")
                 await self._checkpoint()
-                self._set_phase("distribute", f"resumed: {len(todo)} hosts continue from their bitmaps")
+                self._set_phase(Phase.DISTRIBUTE, f"resumed: {len(todo)} hosts continue from their bitmaps")
                 round_ += 1
 
     @staticmethod
@@ -414,14 +416,14 @@ class RolloutWorkflow(LegacyRolloutPaths):
         if not await self._load_all(inp, info):
             await self._continue_as_new(inp, info)
         await self._budget(inp)
-        ready = [h for h, s in self.hosts.items() if s == "ready"]
+        ready = [h for h, s in self.hosts.items() if s == HostState.READY]
 
         if inp.router:
             servers = {h.id: h.model_server for h in inp.hosts if h.id in ready}
             not_ready = sorted(set(self.hosts) - set(ready))
             for step in inp.traffic_steps:
                 await self._hold()
-                self._set_phase("traffic", f"{step}% to {inp.version}")
+                self._set_phase(Phase.TRAFFIC, f"{step}% to {inp.version}")
                 weights = {inp.version: step}
                 if inp.previous_version and step < 100:
                     weights[inp.previous_version] = 100 - step
@@ -434,7 +436,7 @@ class RolloutWorkflow(LegacyRolloutPaths):
                     await self._analyze(inp, step)          # the judged window replaces the dwell
                 elif step != inp.traffic_steps[-1] and inp.step_wait_s > 0:
                     await self._dwell(inp.step_wait_s)
-        self._set_phase("done", f"{len(ready)} of {len(self.specs)} hosts ready on {inp.version}")
+        self._set_phase(Phase.DONE, f"{len(ready)} of {len(self.specs)} hosts ready on {inp.version}")
         return {"version_id": info.version_id, "ready": sorted(ready), "hosts": dict(self.hosts),
                 "errors": dict(self.errors), "traffic": dict(self.traffic), "peak_loads": self.peak_loading}
 
@@ -451,7 +453,7 @@ class RolloutWorkflow(LegacyRolloutPaths):
         ``max_inconclusive`` times, then the step passes unjudged (said so in the status)."""
         cfg = inp.analysis
         for _ in range(cfg.max_inconclusive + 1):
-            self._set_phase("traffic", f"{step}% to {inp.version}: observing for {cfg.interval_s:g} s")
+            self._set_phase(Phase.TRAFFIC, f"{step}% to {inp.version}: observing for {cfg.interval_s:g} s")
             await self._dwell(cfg.interval_s)
             res: AnalysisResult = await self._step(
                 inp, f"analysis at {step}%", "analyze_traffic",
@@ -460,16 +462,16 @@ class RolloutWorkflow(LegacyRolloutPaths):
             self.analyses = [*self.analyses[-19:], {"step": step, "verdict": res.verdict, "reason": res.reason,
                                                     "new": res.new, "baseline": res.baseline}]
             if res.verdict == "pass":
-                self._set_phase("traffic", f"{step}% analysis passed: {res.reason}")
+                self._set_phase(Phase.TRAFFIC, f"{step}% analysis passed: {res.reason}")
                 return
             if res.verdict == "fail":
                 self.abort_reason = f"analysis failed at {step}% (automatic rollback): {res.reason}"
                 await self._checkpoint()                    # raises Aborted: traffic back, version discarded
-        self._set_phase("traffic", f"{step}% passed UNJUDGED: {self.analyses[-1]['reason']}")
+        self._set_phase(Phase.TRAFFIC, f"{step}% passed UNJUDGED: {self.analyses[-1]['reason']}")
 
     async def _budget(self, inp: RolloutInput) -> None:
         """Past the failure budget, pause for an operator; once resumed, only new failures pause again."""
-        bad = [h for h, s in self.hosts.items() if s in ("failed", "unreachable")]
+        bad = [h for h, s in self.hosts.items() if s in (HostState.FAILED, HostState.UNREACHABLE)]
         if len(bad) > inp.failure_budget * len(self.hosts) and len(bad) > self.acked_failures:
             self.paused = True
             self._set_phase(self.phase, f"PAUSED: {len(bad)} hosts failed, over the {inp.failure_budget:.0%} "
@@ -485,7 +487,7 @@ class RolloutWorkflow(LegacyRolloutPaths):
         queues = {h.id: h.queue for h in self.specs}
         started: list[asyncio.Task] = []
         try:
-            for host in [h for h, s in self.hosts.items() if s == "verified"]:
+            for host in [h for h, s in self.hosts.items() if s == HostState.VERIFIED]:
                 while True:
                     await workflow.wait_condition(lambda: self.loading < min(self.max_loads, MAX_PENDING_LOADS)
                                                   or self._controlled())
@@ -498,7 +500,7 @@ class RolloutWorkflow(LegacyRolloutPaths):
                     return False
                 self.loading += 1
                 self.peak_loading = max(self.peak_loading, self.loading)
-                self.hosts[host] = "loading"
+                self.hosts[host] = HostState.LOADING
                 started.append(asyncio.ensure_future(self._load(host, queues[host], inp, info)))
             await self._drain(started)
         except ApplicationError:
@@ -521,11 +523,11 @@ class RolloutWorkflow(LegacyRolloutPaths):
                                        list(inp.pinned_versions or [])),
                              queue=queue, attempts=3, timeout_s=1800, schedule_to_start_s=inp.unreachable_after_s,
                              heartbeat_s=inp.heartbeat_timeout_s, summary=f"load {inp.version} on {host}")
-            self.hosts[host] = "ready"
+            self.hosts[host] = HostState.READY
         except ActivityError as e:
             cause = e.cause
             unreachable = isinstance(cause, TemporalTimeout) and cause.type == TimeoutType.SCHEDULE_TO_START
-            self.hosts[host] = "unreachable" if unreachable else "failed"
+            self.hosts[host] = HostState.UNREACHABLE if unreachable else HostState.FAILED
             self.errors[host] = f"no worker polled {queue}" if unreachable else str(cause or e)
         finally:
             self.loading -= 1

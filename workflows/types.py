@@ -4,6 +4,34 @@ from __future__ import annotations
 import re
 from collections import Counter
 from dataclasses import dataclass, field
+from enum import StrEnum
+
+class HostState(StrEnum):
+    """A host's place in a rollout (the status query's ``hosts``). Strings in every payload and history,
+    so histories written before the enum replay unchanged."""
+    PENDING = "pending"
+    DOWNLOADING = "downloading"
+    PAUSED = "paused"                     # its download stopped by a pause; verified chunks kept
+    STOPPED = "stopped"                   # a batch child's outcome for a download it stopped
+    VERIFIED = "verified"
+    LOADING = "loading"
+    READY = "ready"
+    FAILED = "failed"
+    UNREACHABLE = "unreachable"           # no worker polled its queue within unreachable_after_s
+
+
+class Phase(StrEnum):
+    """A rollout's phase (the status query's ``phase`` and the ``RolloutPhase`` search attribute)."""
+    STARTING = "starting"
+    MANIFEST = "manifest"
+    DISTRIBUTE = "distribute"
+    VERIFY = "verify"
+    LOAD = "load"
+    TRAFFIC = "traffic"
+    DONE = "done"
+    FAILED = "failed"
+    ABORTING = "aborting"
+
 
 CONTROL_QUEUE = "weightcast-control"
 PUBLISH_QUEUE = "weightcast-publish"      # the publish worker: the only one holding the signing key
@@ -280,7 +308,7 @@ class HostBatchInput:
 @dataclass
 class HostOutcome:
     host: str
-    state: str                            # verified | failed | unreachable | stopped
+    state: str                            # a HostState: verified | failed | unreachable | stopped
     error: str = ""
     bytes_total: int = 0
     seconds: float = 0.0

@@ -1,0 +1,3 @@
+from weightcast.cli import entry
+
+entry()
