@@ -258,7 +258,7 @@ async def test_a_silent_uploader_is_given_up_after_stall_after(tmp_path, seaweed
                 await asyncio.sleep(0.01)
             os.kill(fleet.procs["a"].proc.pid, signal.SIGSTOP)
             try:
-                done = await cc.wait(m.digest, 12)    # under the old 15 s read timeout and dead_after
+                done = await cc.wait(m.digest, 20)    # ~3x the ~6 s it takes; well under dead_after (60 s)
                 assert done["state"] == "complete"
                 assert [p["alive"] for p in done["peers"] if p["peer"] == "a"] == [True]   # never called dead
             finally:

@@ -10,7 +10,7 @@ from serving.model import ModelConfig, init_model
 from tests.serving_fixtures import SMALL, verified_version
 
 
-def test_sharded_hf_layout_and_real_forward(tmp_path):
+def test_sharded_hf_layout(tmp_path):
     d = write_checkpoint(tmp_path / "c", SMALL, seed=3, shard_bytes=64 * 1024, version="v1")
     index = json.loads((d / INDEX).read_text())
     shards = sorted(set(index["weight_map"].values()))
