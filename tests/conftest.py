@@ -45,3 +45,21 @@ def hf_checkpoints(tmp_path_factory):
         d = hf_build.build(arch, root / arch, seed=i)
         out[arch] = (d, golden.record(d))
     return out
+
+
+# What makes a test an integration test: it starts real processes (servers, daemons, ranks, engines)
+# or network namespaces. `make test-fast` runs the rest; `make test` runs everything.
+_REAL = ("EmbeddedStack", "Stack()", "Fleet(", "subprocess", "Topology(", "launch(", "weightcast.cli import main",
+         "TemporalDevServer", "SeaweedS3", "mp.start_processes", "serve_app(", "ModuleProc")
+_REAL_FIXTURES = {"seaweed", "hf_checkpoints"}
+_sources: dict[str, str] = {}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        path = str(item.fspath)
+        if path not in _sources:
+            with open(path) as f:
+                _sources[path] = f.read()
+        if set(item.fixturenames) & _REAL_FIXTURES or any(w in _sources[path] for w in _REAL):
+            item.add_marker(pytest.mark.integration)

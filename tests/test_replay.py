@@ -3,8 +3,7 @@ Each file under tests/histories/ is a history a test made (tests/golden.py). Re-
 intended, patched change (docs/control-plane.md) with
 WEIGHTCAST_RECORD_HISTORIES=1 pytest tests/test_rollout.py tests/test_full_size_rollout.py
 tests/test_rollout_controls.py tests/test_rollout_analysis.py tests/test_rollout_shape.py
-(``rollout-tiny-*`` files are runs from before the ``controls-preempt-retries`` patch, kept until it
-is retired; train-golden.json, a rank killed and recovered, checkpoint-now, pause and resume, was
+(train-golden.json, a rank killed and recovered, checkpoint-now, pause and resume, was
 recorded by running those steps against the dev server once)."""
 import pytest
 from temporalio.worker import Replayer

@@ -26,14 +26,14 @@ from temporalio.exceptions import (ActivityError, ApplicationError, FailureError
 with workflow.unsafe.imports_passed_through():
     from peerd.seeders import MAX_SEEDERS, seeders_across_racks
     from workflows.host_batch import HostBatchWorkflow
-    from workflows.rollout_legacy import MAX_PENDING_LOADS, LegacyRolloutPaths
     from workflows.types import (CONTROL_QUEUE, AnalysisInput, AnalysisResult, DiscardInput, DistributeInput,
                                  FleetPlan, HostBatchInput, HostOutcome, HostSpec, HostState, InventoryCheck, LoadInput,
                                  ManifestCheck, ManifestInfo, Phase, RolloutCarry, RolloutInput, RolloutStatus,
                                  TrafficInput)
 
 PHASE = SearchAttributeKey.for_keyword("RolloutPhase")
-STEPS_PATCH = "controls-preempt-retries"
+STEPS_PATCH = "controls-preempt-retries"     # deprecated: every open run has it
+MAX_PENDING_LOADS = 1000      # Temporal allows 2,000 pending activities per workflow
 BACKOFF_MAX_S = 30.0          # retries of a failing step: 1, 2, 4, ... seconds, at most this
 DISCARD_WAIT_S = 15.0         # an abort waits at most this long for a host's worker to take its discard
 DONE_STATES = (HostState.VERIFIED, HostState.LOADING, HostState.READY)
@@ -48,7 +48,7 @@ def _final(e: ActivityError) -> bool:
 
 
 @workflow.defn
-class RolloutWorkflow(LegacyRolloutPaths):
+class RolloutWorkflow:
     def __init__(self) -> None:
         self.phase = Phase.STARTING
         self.hosts: dict[str, str] = {}
@@ -68,7 +68,6 @@ class RolloutWorkflow(LegacyRolloutPaths):
         self._phase_t0 = 0.0
         self.runs = 1
         self.acked_failures = 0       # failures the operator has seen and resumed past
-        self.controls_act_now = False  # legacy runs: pause/abort stop distribution and dwell at once
         self.detail = ""
         self.analyses: list[dict] = []     # the last canary judgments (status)
         self.held: dict[str, int] = {}     # host -> verified bytes kept while its download is stopped
@@ -247,9 +246,7 @@ class RolloutWorkflow(LegacyRolloutPaths):
         self.specs = list(inp.hosts)
         self.hosts = {h.id: HostState.PENDING for h in inp.hosts}
         self._phase_t0 = workflow.time()
-        if not workflow.patched(STEPS_PATCH):
-            return await self._v1_entry(inp)         # a history recorded before steps were preemptible
-        self.controls_act_now = True
+        workflow.deprecate_patch(STEPS_PATCH)        # the earlier paths are gone; the marker stays one release
         try:
             if inp.carry:
                 return await self._resume(inp, inp.carry)
