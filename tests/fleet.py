@@ -6,6 +6,8 @@ import json
 import time
 from pathlib import Path
 
+import aiohttp
+
 from peerd import manifest as mf
 from peerd.client import PeerdClient
 from peerd.origin import OriginSpec, S3Origin
@@ -76,3 +78,10 @@ def manifest_json(doc: dict) -> bytes:
 
 def run(coro):
     return asyncio.run(coro)
+
+
+async def call(method: str, url: str, **kw) -> tuple[int, object]:
+    """One HTTP request in a session of its own: (status, JSON body or None)."""
+    async with aiohttp.ClientSession() as s:
+        async with s.request(method, url, **kw) as r:
+            return r.status, await r.json(content_type=None)

@@ -2,12 +2,11 @@
 import asyncio
 import json
 
-import aiohttp
 import pytest
 
 from peerd.chunk_fetch import ChunkFetcher, PeerStatus
 from peerd.ratelimit import TokenBucket
-from tests.fleet import TOKEN, Fleet
+from tests.fleet import TOKEN, Fleet, call
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
@@ -19,10 +18,6 @@ def daemon(tmp_path, seaweed, keys):
     fleet.stop()
 
 
-async def call(method, url, **kw):
-    async with aiohttp.ClientSession() as s:
-        async with s.request(method, url, **kw) as r:
-            return r.status, await r.json(content_type=None)
 
 
 async def test_requests_without_the_cluster_token_get_401(daemon):

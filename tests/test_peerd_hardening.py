@@ -4,12 +4,11 @@ import asyncio
 import json
 from urllib.parse import urlparse
 
-import aiohttp
 import pytest
 
 from peerd import manifest as mf
 from peerd.wire import WireError, check_id, check_vid
-from tests.fleet import TOKEN, Fleet, publish
+from tests.fleet import TOKEN, Fleet, call, publish
 from weightcast.checkpoint_random import write_random_checkpoint
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -23,10 +22,6 @@ def daemon(tmp_path, seaweed, keys):
     fleet.stop()
 
 
-async def call(method, url, **kw):
-    async with aiohttp.ClientSession() as s:
-        async with s.request(method, url, **kw) as r:
-            return r.status, await r.json(content_type=None)
 
 
 @pytest.fixture

@@ -16,21 +16,12 @@ from peerd.client import PeerdClient, PeerdError
 from tests.golden import replays
 from tests.rollout_fixtures import Stack
 from tests.test_rollout_faults import RATE, fetched, job, rollout_mid_distribution, wait_progress
+from tests.waiting import until
 from weightcast.rollout_status import live_status
 from weightcast.rollouts import start_rollout
 from workflows.rollout import RolloutWorkflow
 
 ACT_WITHIN_S = 5.0
-
-
-async def until(predicate, timeout: float, what: str, every: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = await predicate()
-        if value:
-            return value
-        await asyncio.sleep(every)
-    raise TimeoutError(f"not within {timeout} s: {what}")
 
 
 async def until_loading(handle):

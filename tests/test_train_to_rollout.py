@@ -15,7 +15,8 @@ from temporalio.client import WorkflowFailureError
 
 from peerd.signing import generate_keypair
 from serving.model import init_model
-from tests.training_fixtures import CONFIG, progress, until
+from tests.training_fixtures import CONFIG, progress
+from tests.waiting import until
 from training.config import TrainConfig
 from training.export import read_export
 from weightcast.stack.embedded import EmbeddedStack

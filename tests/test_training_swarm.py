@@ -13,7 +13,8 @@ from temporalio.testing import WorkflowEnvironment
 
 from tests.fleet import Fleet
 from tests.test_training_workflow import plain_loss
-from tests.training_fixtures import CONFIG, hosts, progress, until
+from tests.training_fixtures import CONFIG, hosts, progress
+from tests.waiting import until
 from training.checkpoint import MARK
 from training.config import TrainConfig
 from weightcast.stack.temporal import SEARCH_ATTRIBUTES, temporal_binary

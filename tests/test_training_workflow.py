@@ -29,7 +29,8 @@ from workers import control_worker
 from workflows.training import TrainingWorkflow
 from workflows.training_types import TrainingInput
 from workflows.types import CONTROL_QUEUE
-from tests.training_fixtures import CONFIG, hosts, progress, until
+from tests.training_fixtures import CONFIG, hosts, progress
+from tests.waiting import until
 
 def plain_loss(out: Path, overrides=()) -> float:
     """The held-out loss of the same run's final weights, trained in one go by `weightcast train run`."""

@@ -37,11 +37,3 @@ def progress(root: Path, host: str, rank: int) -> dict:
         except ValueError:
             pass
     return {}
-
-
-async def until(pred, timeout=60.0):
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not pred():
-        assert loop.time() < deadline, "timed out"
-        await asyncio.sleep(0.05)
