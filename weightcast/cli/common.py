@@ -138,6 +138,17 @@ def positive_int(s: str) -> int:
     return n
 
 
+def run_steering(go) -> int:
+    """Run ``go()``, a command that steers a workflow; an update the workflow refused is exit 2 with its
+    reason (other failures are the caller's)."""
+    from temporalio.client import WorkflowUpdateFailedError
+    try:
+        return asyncio.run(go())
+    except WorkflowUpdateFailedError as e:
+        print(f"error: refused: {e.cause}", file=sys.stderr)
+        return 2
+
+
 def temporal_used() -> bool:
     """Whether this process made a Temporal client (``entry`` then leaves without finalization)."""
     return _TEMPORAL_USED

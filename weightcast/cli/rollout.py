@@ -11,7 +11,7 @@ from peerd import manifest as mf
 from peerd.digests import ALGORITHMS
 from peerd.units import parse_size
 from workflows.types import HostSpec
-from weightcast.cli.common import HASH_HELP, connect, print_started, watch_rollout
+from weightcast.cli.common import HASH_HELP, connect, print_started, run_steering, watch_rollout
 
 
 def cmd_publish(a) -> int:
@@ -110,13 +110,10 @@ def cmd_rollout(a) -> int:
             print(await h.execute_update(RolloutWorkflow.set_max_concurrent_loads, a.n))
         return 0
 
-    from temporalio.client import WorkflowFailureError, WorkflowUpdateFailedError
+    from temporalio.client import WorkflowFailureError
     from temporalio.service import RPCError, RPCStatusCode
     try:
-        return asyncio.run(go())
-    except WorkflowUpdateFailedError as e:
-        print(f"error: refused: {e.cause}", file=sys.stderr)
-        return 2
+        return run_steering(go)
     except WorkflowFailureError as e:          # the rollback workflow ran and failed: say why
         print(f"error: {e.cause.cause if e.cause and e.cause.cause else e.cause}", file=sys.stderr)
         return 1

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from peerd import manifest as mf
 from peerd.units import parse_size
-from weightcast.cli.common import Progress, connect, print_started
+from weightcast.cli.common import Progress, connect, print_started, run_steering
 
 
 def cmd_train_run(a) -> int:
@@ -99,14 +99,10 @@ def cmd_train(a) -> int:
         print(await h.execute_update(update, a.reason))
         return 0
 
-    from temporalio.client import WorkflowUpdateFailedError
     try:
-        return asyncio.run(go())
+        return run_steering(go)
     except UnknownRun as e:
         print(f"error: {e} on {a.temporal} (namespace {a.namespace})", file=sys.stderr)
-        return 2
-    except WorkflowUpdateFailedError as e:
-        print(f"error: refused: {e.cause}", file=sys.stderr)
         return 2
 
 
