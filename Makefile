@@ -45,7 +45,7 @@ demo: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/weightcast demo --engine vllm
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 # units, property tests and pure logic: no servers, daemons, ranks or namespaces (in addition to `make test`)
 test-fast: $(STAMP)
