@@ -239,6 +239,10 @@ class Topology:
                     os.kill(int(pid), signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+        if self.gateway and self._made:
+            # its far end would go with the fabric namespace, but the kernel frees a deleted namespace's
+            # devices later, asynchronously: delete it now so that `down` returning means it is gone
+            ip("link", "del", f"{self.tag}-gw", check=False)
         left = []
         for ns in reversed(self._made):
             if ip("netns", "del", ns, check=False).returncode != 0 and ns in existing_namespaces():
