@@ -9,29 +9,50 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib
 import json
 import os
 import signal
 import socket
 import sys
+import threading
 from pathlib import Path
+
+from typing import TYPE_CHECKING
 
 import aiohttp
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-import torch
-
-from training.archive_sync import Archiver
-from training.checkpoint_swarm import CheckpointSwarm
-from training.config import TrainConfig
-from training.control import Control, write
-from training.flops import flops_per_token, matmul_peak, model_parallel_degree
 from training.metrics import TrainingMetrics
-from training.rank import device_for
 from lib.processes import last_lines
 from workflows.training_types import (ExportInput, RunControl, TrainRankInput, TrainRankResult, host_checkpoint_dir,
                                       node_local)
+
+if TYPE_CHECKING:
+    from training.checkpoint_swarm import CheckpointSwarm
+
+# the modules that import torch, which the activities below import where they use them
+TRAINING_MODULES = ("training.archive_sync", "training.checkpoint_swarm", "training.config", "training.control",
+                    "training.flops", "training.rank", "training.export")
+
+
+def _import_training() -> None:
+    for name in TRAINING_MODULES:
+        importlib.import_module(name)
+
+
+async def training_modules() -> None:
+    """torch and the training modules, imported on a thread. A host worker polls in under a second
+    instead of after torch's import (seconds), and while the import runs its event loop keeps every
+    activity's heartbeat going. The worker starts it in the background; each training activity awaits
+    it (at once, once done) before its own imports of these modules."""
+    if not _imported.is_set():
+        await asyncio.to_thread(_import_training)
+        _imported.set()
+
+
+_imported = threading.Event()
 
 
 class TrainingActivities:
@@ -72,6 +93,10 @@ class TrainingActivities:
 
     @activity.defn(name="train_rank")
     async def train_rank(self, inp: TrainRankInput) -> TrainRankResult:
+        await _beating(training_modules(), lambda: {"starting": True}, self.poll_s)
+        from training.archive_sync import Archiver
+        from training.config import TrainConfig
+        from training.flops import flops_per_token, model_parallel_degree
         d = self.work / inp.run / f"attempt-{inp.attempt}" / f"rank{inp.rank}"
         d.mkdir(parents=True, exist_ok=True)
         progress = d / "progress.json"
@@ -145,6 +170,9 @@ class TrainingActivities:
     async def _peak(self, cfg) -> float:
         """This host's matmul peak with the threads one rank uses, measured once (before any rank of
         this worker loads the cores) and kept."""
+        import torch
+        from training.flops import matmul_peak
+        from training.rank import device_for
         threads = cfg.cpu_threads or max(1, (os.cpu_count() or 1) // cfg.world_size)
         if threads not in self._peaks:
             dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
@@ -154,9 +182,12 @@ class TrainingActivities:
     @activity.defn(name="set_run_control")
     async def set_run_control(self, inp: RunControl) -> None:
         """Pause / checkpoint-now for the run's ranks: rank 0 on this host reads it after every step."""
+        await training_modules()
+        from training.control import Control, write
         write(self._control(inp.run), Control(inp.pause, inp.checkpoint_seq))
 
-    def _swarm(self, run: str, root: Path) -> CheckpointSwarm:
+    def _swarm(self, run: str, root: Path) -> "CheckpointSwarm":
+        from training.checkpoint_swarm import CheckpointSwarm
         if not self.store:
             raise ApplicationError(f"node-local checkpoints need this host's peerd, but the host worker on "
                                    f"{self.host_id} was started without --store", type="NoPeerd", non_retryable=True)
@@ -168,6 +199,7 @@ class TrainingActivities:
     @activity.defn(name="export_weights")
     async def export_weights(self, inp: ExportInput) -> str:
         """The newest complete checkpoint as an HF-style safetensors checkpoint with smoke material."""
+        await training_modules()
         from training.export import export_checkpoint
         here = dataclasses.replace(inp, checkpoint_dir=host_checkpoint_dir(inp.checkpoint_dir, self.host_id))
         return str(await asyncio.to_thread(export_checkpoint, here))

@@ -59,8 +59,8 @@ async def run_gossip_bench(exchanges: int = 3000, rounds: int = 2, peers: int = 
     work = Path(tempfile.mkdtemp(prefix="wc-bench-gossip-"))
     generate_keypair(work / "key.pem", work / "key.pub")
     token = secrets.token_hex(16)
-    proc = PeerdProc("g", free_ports(1)[0], work / "store", ["--token", token, "--trusted-key", str(work / "key.pub"),
-                                                             "--log-level", "WARNING"])
+    proc = PeerdProc("g", free_ports(1)[0], work / "store", ["--trusted-key", str(work / "key.pub"),
+                                                             "--log-level", "WARNING"], token=token)
     proc.start()
     auth = {"Authorization": f"Bearer {token}"}
     try:

@@ -135,15 +135,15 @@ async def _run(cfg: SwarmBenchConfig, net: Topology | None, progress=None) -> di
             if not cfg.have_stream:
                 extra += ["--no-have-stream"]
             if net:                    # unpaced: the kernel-shaped links are the limit
-                args = fleet_args(i, ports, token=token, trusted_key=work / "key.pub", rate=None, origin_rate=None,
+                args = fleet_args(i, ports, trusted_key=work / "key.pub", rate=None, origin_rate=None,
                                   extra=extra, hosts={h: place[h].addr for h in ids},
                                   racks={h: f"r{place[h].rack}" for h in ids})
                 procs.append(PeerdProc(i, ports[i], work / "hosts" / i / "store", args, env=s3.env(),
-                                       host=place[i].addr, prefix=place[i].run()))
+                                       host=place[i].addr, prefix=place[i].run(), token=token))
             else:
-                args = fleet_args(i, ports, token=token, trusted_key=work / "key.pub", rate=cfg.rate,
+                args = fleet_args(i, ports, trusted_key=work / "key.pub", rate=cfg.rate,
                                   origin_rate=cfg.rate / len(seeders), extra=extra)
-                procs.append(PeerdProc(i, ports[i], work / "hosts" / i / "store", args, env=s3.env()))
+                procs.append(PeerdProc(i, ports[i], work / "hosts" / i / "store", args, env=s3.env(), token=token))
         for p in procs:
             p.start()
         await asyncio.sleep(1.5)   # let gossip introduce everyone before the clock starts

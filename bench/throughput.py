@@ -182,8 +182,8 @@ async def run_throughput_bench(size: int, chunk: int, downloaders: int, timeout:
         token = secrets.token_hex(16)
         ids = ["server", *[f"d{i}" for i in range(downloaders)]]
         ports = dict(zip(ids, free_ports(len(ids))))
-        procs = [PeerdProc(i, ports[i], work / i / "store", fleet_args(i, ports, token=token,
-                 trusted_key=work / "key.pub", rate=None, origin_rate=None), env=s3.env()) for i in ids]
+        procs = [PeerdProc(i, ports[i], work / i / "store", fleet_args(i, ports, trusted_key=work / "key.pub", rate=None,
+                 origin_rate=None), env=s3.env(), token=token) for i in ids]
         for p in procs:
             p.start()
         server, *down = procs

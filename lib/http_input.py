@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import math
 
 from aiohttp import web
 
@@ -31,13 +32,21 @@ async def read_body(request: web.Request, limit: int) -> bytes:
     return b"".join(parts)
 
 
-def parse_json(raw: bytes):
-    """Strict JSON: UTF-8, no NaN/Infinity (they cannot be sent back as JSON), bounded nesting."""
+MAX_INT_DIGITS = 64         # sizes, counts and offsets fit in 20; Python refuses past 4,300 with a bare ValueError
+
+
+def parse_json(raw: bytes | str):
+    """Strict JSON: UTF-8 only (a UTF-16 or UTF-32 body, with or without a BOM, is refused), numbers
+    that are finite and of sane length (no NaN/Infinity, no 1e999, no 5,000-digit integers: none can
+    be sent back or used as a size), bounded nesting. Every refusal is a BadInput (a 400)."""
     try:
-        return json.loads(raw, parse_constant=_no_constant)
+        text = raw.decode("utf-8") if isinstance(raw, (bytes, bytearray)) else raw
+        return json.loads(text, parse_constant=_no_constant, parse_int=_int, parse_float=_float)
     except RecursionError:
         raise BadInput("body is nested too deeply") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except UnicodeDecodeError as e:
+        raise BadInput(f"body is not UTF-8: {e}") from None
+    except json.JSONDecodeError as e:
         raise BadInput(f"body is not valid JSON: {e}") from None
 
 
@@ -47,6 +56,19 @@ async def read_json(request: web.Request, limit: int):
 
 def _no_constant(name: str):
     raise BadInput(f"{name} is not a number JSON allows")
+
+
+def _int(digits: str) -> int:
+    if len(digits.lstrip("-")) > MAX_INT_DIGITS:
+        raise BadInput(f"an integer of {len(digits.lstrip('-'))} digits is over the {MAX_INT_DIGITS}-digit limit")
+    return int(digits)
+
+
+def _float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise BadInput(f"{text[:40]} is out of range for a number")
+    return value
 
 
 def bearer_ok(request: web.Request, token: str) -> bool:

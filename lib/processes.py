@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
@@ -51,11 +52,19 @@ def last_lines(path: Path, n: int = 12, max_bytes: int = 64 * 1024) -> list[str]
 
 def stop_process(proc: subprocess.Popen | None, grace: float = 10.0) -> None:
     """SIGTERM, then SIGKILL after ``grace`` seconds."""
-    if proc is None or proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(grace)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    stop_processes([proc], grace)
+
+
+def stop_processes(procs: list[subprocess.Popen | None], grace: float = 10.0) -> None:
+    """SIGTERM to all at once, then SIGKILL to whichever still runs ``grace`` seconds later: a fleet's
+    shutdowns overlap instead of queueing one behind another."""
+    running = [p for p in procs if p is not None and p.poll() is None]
+    for p in running:
+        p.terminate()
+    deadline = time.monotonic() + grace
+    for p in running:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

@@ -4,13 +4,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import signal
 import sys
 from pathlib import Path
 
 from peerd.config import PeerdConfig, default
 from peerd.daemon import Daemon
+from lib.secret_input import CLUSTER_TOKEN, add_secret_file_arg, read_secret
 from lib.logging_setup import setup
 from peerd.policy import PolicyConfig
 from peerd.units import parse_rate
@@ -38,8 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--port", type=int, default=default("port"), help="port (0 = pick a free one; see --ready-file)")
     ap.add_argument("--advertise", help="address peers use, default http://<listen>:<port>")
     ap.add_argument("--rack", default="")
-    ap.add_argument("--token", default=os.environ.get("WEIGHTCAST_TOKEN", ""),
-                    help="cluster token (env WEIGHTCAST_TOKEN); empty disables peer auth")
+    add_secret_file_arg(ap, CLUSTER_TOKEN, "cluster token (empty disables peer auth: development only)")
     ap.add_argument("--trusted-key", action="append", type=Path, default=[], help="Ed25519 public key (PEM)")
     ap.add_argument("--peer", action="append", type=parse_peer, default=[], help="seed peer id=addr[@rack]")
     ap.add_argument("--upload-rate", type=rate, default=None, help="bytes/s (default unlimited)")
@@ -60,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a chunk download that receives nothing this long is given up and asked elsewhere")
     ap.add_argument("--header-timeout", type=float, default=default("header_timeout"),
                     help="seconds a connection may take to send a request head (default 10)")
+    ap.add_argument("--body-timeout", type=float, default=default("body_timeout"),
+                    help="seconds a request's body may take to arrive after its head (default 60)")
     ap.add_argument("--max-connections", type=int, default=default("max_connections"), help="open connections before silent ones are shed")
     ap.add_argument("--max-members", type=int, default=default("max_members"), help="members remembered (bounds what gossip can add)")
     ap.add_argument("--reserve-bytes", type=int, default=default("reserve_bytes"), help="free space to keep on the store volume")
@@ -71,12 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(a) -> PeerdConfig:
     return PeerdConfig(host_id=a.id, store=a.store, listen_host=a.listen, port=a.port, advertise=a.advertise,
-                       rack=a.rack, token=a.token, trusted_keys=a.trusted_key, seed_peers=a.peer,
+                       rack=a.rack, token=read_secret(a, CLUSTER_TOKEN), trusted_keys=a.trusted_key, seed_peers=a.peer,
                        upload_rate=a.upload_rate, download_rate=a.download_rate, origin_rate=a.origin_rate,
                        gossip_interval=a.gossip_interval, have_interval=a.have_interval,
                        have_refresh=a.have_refresh, have_stream=a.have_stream, dead_after=a.dead_after, stall_after=a.stall_after,
                        reserve_bytes=a.reserve_bytes, max_members=a.max_members,
-                       header_timeout=a.header_timeout, max_connections=a.max_connections,
+                       header_timeout=a.header_timeout, body_timeout=a.body_timeout,
+                       max_connections=a.max_connections,
                        ready_file=a.ready_file, max_uploads=a.max_uploads,
                        fault_corrupt_uploads=a.fault_corrupt_uploads,
                        policy=PolicyConfig(max_cross_rack_peers=a.max_cross_rack_peers))

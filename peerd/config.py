@@ -34,6 +34,7 @@ class PeerdConfig:
     max_members: int = 10_000                   # members this host remembers (gossip cannot grow it further)
     reserve_bytes: int = 0                      # free space to keep on the store volume
     header_timeout: float = 10.0                # a connection must send a whole request head within this
+    body_timeout: float = 60.0                  # ...and a request's whole body within this of its head
     max_connections: int = 4096                 # beyond this, connections that made no request are closed
     keepalive_timeout: float = 75.0             # idle keep-alive connections are closed after this
     policy: PolicyConfig = field(default_factory=PolicyConfig)

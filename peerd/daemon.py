@@ -57,7 +57,8 @@ class Daemon:
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:
         from peerd.server import make_app
-        self.guard = ConnectionGuard(self.config.header_timeout, self.config.max_connections)
+        self.guard = ConnectionGuard(self.config.header_timeout, self.config.max_connections,
+                                     self.config.body_timeout)
         self.runner = web.AppRunner(make_app(self, self.guard.middleware), access_log=None,
                                     keepalive_timeout=self.config.keepalive_timeout)
         await self.runner.setup()

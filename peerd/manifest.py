@@ -238,8 +238,15 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+# What the store writes beside a version's files (peerd/store.py): the record of what was verified,
+# and write_atomic's temporary names for it. A signed file under either name would overwrite it.
+VERIFIED_NAME = "verified.json"
+RESERVED = (VERIFIED_NAME, f".{VERIFIED_NAME}.")     # the name itself; the prefix of its temporary names
+
+
 def safe_relative_path(p) -> str:
-    """Refuse anything that could land outside the model directory."""
+    """Refuse anything that could land outside the model directory, or on a name the store keeps
+    there for itself."""
     if not isinstance(p, str) or not p or len(p) > 1024 or "\\" in p or "\x00" in p:
         raise ManifestError(f"file path {p!r} is not a plain relative POSIX path")
     pp = PurePosixPath(p)
@@ -249,6 +256,9 @@ def safe_relative_path(p) -> str:
         raise ManifestError(f"file path {p!r} has a component over {MAX_NAME_BYTES} bytes (no file system takes it)")
     if any(not ch.isprintable() for ch in p):
         raise ManifestError(f"file path {p!r} holds control or unprintable characters")
+    if p == RESERVED[0] or p.startswith(RESERVED[1]):
+        raise ManifestError(f"file path {p!r} is reserved: the store keeps its record of the verified files "
+                            f"({VERIFIED_NAME}) beside them")
     return p
 
 

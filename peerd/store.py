@@ -33,7 +33,7 @@ import numpy as np
 
 from lib.atomic import write_atomic
 from peerd import digests
-from peerd.manifest import Manifest, parse_body
+from peerd.manifest import VERIFIED_NAME, Manifest, parse_body
 
 log = logging.getLogger("peerd.store")
 
@@ -289,11 +289,11 @@ class VersionStore:
             files[f.path] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns,
                              "digest": f.digest, "hash_algorithm": self.manifest.hash_algorithm}
         try:
-            write_atomic(self.model_dir / "verified.json", json.dumps({
+            write_atomic(self.model_dir / VERIFIED_NAME, json.dumps({
                 "version": self.manifest.version, "model": self.manifest.model, "version_id": self.vid,
                 "files": files}))
         except OSError as e:
-            _raise_if_enospc(e, "writing verified.json")
+            _raise_if_enospc(e, f"writing {VERIFIED_NAME}")
             raise
         self.fingerprints = _fingerprints(files)
         self.suspect = False
@@ -301,7 +301,7 @@ class VersionStore:
     def load_fingerprints(self) -> None:
         """After a restart: the fingerprints recorded when the version completed (none: none to trust)."""
         try:
-            self.fingerprints = _fingerprints(json.loads((self.model_dir / "verified.json").read_text())["files"])
+            self.fingerprints = _fingerprints(json.loads((self.model_dir / VERIFIED_NAME).read_text())["files"])
         except (OSError, ValueError, KeyError, TypeError):
             self.fingerprints = {}
 
@@ -336,7 +336,7 @@ class VersionStore:
             if self._bitmap_fd is not None:
                 os.pwrite(self._bitmap_fd, b"\x00", index)
                 os.fdatasync(self._bitmap_fd)
-        (self.model_dir / "verified.json").unlink(missing_ok=True)
+        (self.model_dir / VERIFIED_NAME).unlink(missing_ok=True)
 
     def verify_files(self) -> list[str]:
         """Re-hash every file against the manifest's whole-file digests; return the bad paths."""

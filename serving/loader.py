@@ -16,15 +16,16 @@ from pathlib import Path
 
 import torch
 
+from peerd.manifest import VERIFIED_NAME
 from serving.checkpoint import INDEX, SMOKE
 from serving.model import ModelConfig, TinyTransformer
 from serving.verified_read import VerifiedFiles, VerifyError, safetensors_views
 
-VERIFIED = "verified.json"
+VERIFIED = VERIFIED_NAME          # the store writes it (peerd/store.py)
 
 
 class LoadError(RuntimeError):
-    """code: unverified | altered | bad_checkpoint | oom | smoke_failed | wrong_version."""
+    """code: unverified | untrusted | altered | bad_checkpoint | oom | smoke_failed | wrong_version."""
 
     def __init__(self, code: str, message: str):
         super().__init__(message)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import re
 import sys
 import time
@@ -21,6 +20,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from lib.secret_input import ADMIN_TOKEN, add_secret_file_arg, read_secret
 from lib.conn_guard import run_guarded
 from lib.http_input import bearer_ok
 from lib.metrics_http import metrics_handler
@@ -299,11 +299,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--listen", default="127.0.0.1")
     ap.add_argument("--header-timeout", type=float, default=10.0, help="seconds to send a request head (default 10)")
+    ap.add_argument("--body-timeout", type=float, default=60.0,
+                    help="seconds a request's body may take to arrive after its head (default 60)")
     ap.add_argument("--ready-file", type=Path, help="write {addr} JSON here once listening")
     ap.add_argument("--max-concurrent-loads", type=int, default=2)
     ap.add_argument("--old-floor", type=int, default=1)
-    ap.add_argument("--admin-token", default=os.environ.get("WEIGHTCAST_ADMIN_TOKEN", ""),
-                    help="token for the admin API (default $WEIGHTCAST_ADMIN_TOKEN); required")
+    add_secret_file_arg(ap, ADMIN_TOKEN, "admin token (load/unload, the admin API); required")
     ap.add_argument("--api-keys-file", type=Path,
                     help="clients' API keys, one per line, for /v1/* (Authorization: Bearer); without it inference "
                          "is open. Separate from the admin token, which does not grant inference")
@@ -314,15 +315,17 @@ def main(argv=None) -> int:
     from lib.logging_setup import setup
     a = build_parser().parse_args(argv)
     setup()
-    if not a.admin_token:
-        print('{"level": "ERROR", "msg": "no admin token: set WEIGHTCAST_ADMIN_TOKEN (from a secret) or --admin-token"}',
+    admin_token = read_secret(a, ADMIN_TOKEN)
+    if not admin_token:
+        print('{"level": "ERROR", "msg": "no admin token: set WEIGHTCAST_ADMIN_TOKEN (from a secret) or --admin-token-file"}',
               file=sys.stderr)
         return 2
     keys = frozenset(ln.strip() for ln in a.api_keys_file.read_text().splitlines() if ln.strip()) \
         if a.api_keys_file else frozenset()
-    run_guarded(make_app(Router(rules=CapacityRules(a.max_concurrent_loads, a.old_floor), admin_token=a.admin_token,
+    run_guarded(make_app(Router(rules=CapacityRules(a.max_concurrent_loads, a.old_floor), admin_token=admin_token,
                                 api_keys=keys)),
-                a.listen, a.port, header_timeout=a.header_timeout, ready_file=a.ready_file)
+                a.listen, a.port, header_timeout=a.header_timeout,
+                body_timeout=a.body_timeout, ready_file=a.ready_file)
     return 0
 
 

@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import json
 import logging
-import os
 import re
 import sys
 from dataclasses import dataclass, field
@@ -23,9 +22,11 @@ from pathlib import Path
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from lib.secret_input import ADMIN_TOKEN, add_secret_file_arg, read_secret
 from lib.conn_guard import run_guarded
 from lib.http_input import bearer_ok
 from lib.metrics_http import metrics_handler
+from peerd.signing import load_public_key
 from serving import openai_host
 from serving.auto_engine import AutoEngine
 from serving.engine import Engine, VersionGone, VersionKey
@@ -33,6 +34,7 @@ from serving.footprint import KV_CACHE_TOKENS
 from serving.hf_engine import TransformersEngine
 from serving.http_json import MAX_BODY, bad_request, json_object
 from serving.loader import LoadError
+from serving.trust import ManifestTrust
 
 log = logging.getLogger("serving.model_server")
 _VID = re.compile(r"^[0-9a-f]{64}\Z")
@@ -56,6 +58,7 @@ class ModelServer:
     memory_budget: int | None = None
     store_root: Path | None = None     # peerd's store: the only place versions are loaded from
     admin_token: str = ""              # required for load/unload; empty disables auth (in-process tests only)
+    trust: ManifestTrust = field(default_factory=ManifestTrust)    # whose signed versions it loads
     versions: dict[VersionKey, VersionState] = field(default_factory=dict)
     # fault injection for drills and tests (a version that passes its smoke test but serves badly):
     # {(model, version): {"delay_s": extra latency per request, "error_every": every Nth request answers
@@ -92,6 +95,7 @@ class ModelServer:
             what = {"model": key.model, "version": key.version}
             try:
                 await asyncio.sleep(self.faults.get(key, {}).get("load_delay_s", 0.0))   # drills: a slow load
+                await asyncio.to_thread(self.trust.check, Path(path))
                 vs.nbytes = await asyncio.to_thread(self.engine.load, key, path, self.memory_budget, self.in_use())
                 if self.versions.get(key) is not vs:
                     # unloaded while it was loading (an aborted rollout): the unload wins, nothing stays resident
@@ -289,6 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--port", type=int, default=8100)
     ap.add_argument("--listen", default="127.0.0.1")
     ap.add_argument("--header-timeout", type=float, default=10.0, help="seconds to send a request head (default 10)")
+    ap.add_argument("--body-timeout", type=float, default=60.0,
+                    help="seconds a request's body may take to arrive after its head (default 60)")
     ap.add_argument("--ready-file", type=Path, help="write {addr} JSON here once listening")
     ap.add_argument("--max-versions", type=int, default=2)
     ap.add_argument("--memory-budget", type=int, default=None,
@@ -296,27 +302,35 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kv-cache-tokens", type=int, default=KV_CACHE_TOKENS,
                     help="tokens of KV cache each Hugging Face version reserves (counted against the budget)")
     ap.add_argument("--store", type=Path, required=True, help="peerd's store root: versions load only from under it")
-    ap.add_argument("--admin-token", default=os.environ.get("WEIGHTCAST_ADMIN_TOKEN", ""),
-                    help="token for load/unload (default $WEIGHTCAST_ADMIN_TOKEN); required")
+    add_secret_file_arg(ap, ADMIN_TOKEN, "admin token (load/unload, the admin API); required")
+    ap.add_argument("--trusted-key", type=Path, action="append", default=[],
+                    help="a public key whose signed versions this server loads (repeatable); required")
+    ap.add_argument("--allow-pinned", action="store_true",
+                    help="also load pinned versions (unsigned training checkpoints peerd took on the cluster "
+                         "token's word); off for a fleet that serves releases")
     ap.add_argument("--engine", choices=("transformers", "vllm"), default="transformers",
                     help="what runs Hugging Face checkpoints: transformers in this process, or a vLLM server per "
                          "version (from `make vllm-venv`, or --vllm-python)")
     ap.add_argument("--vllm-python", help="the vLLM virtualenv's python (default $WEIGHTCAST_VLLM_PYTHON or "
                                           ".venv-vllm/bin/python)")
+    ap.add_argument("--vllm-optimization-level", type=int, choices=(0, 1, 2, 3), default=None,
+                    help="vLLM's -O level for each server it starts (default: vLLM's own): 0 starts fastest, "
+                         "without torch.compile or CUDA graphs")
     return ap
 
 
 def engine_for(a) -> Engine:
-    return make_engine(a.engine, a.store.parent / "vllm", a.vllm_python, a.kv_cache_tokens)
+    return make_engine(a.engine, a.store.parent / "vllm", a.vllm_python, a.kv_cache_tokens, a.vllm_optimization_level)
 
 
 def make_engine(name: str = "transformers", workdir: Path | None = None, vllm_python: str | None = None,
-                kv_cache_tokens: int = KV_CACHE_TOKENS) -> Engine:
+                kv_cache_tokens: int = KV_CACHE_TOKENS, vllm_optimization_level: int | None = None) -> Engine:
     """The model server's engine: Hugging Face checkpoints on ``name`` (transformers in this process, or
     vLLM servers started under ``workdir``), weightcast's reference checkpoints on the reference engine."""
     if name == "vllm":
         from serving.vllm_engine import VllmEngine
-        return AutoEngine(hf=VllmEngine(workdir, python=vllm_python, kv_cache_tokens=kv_cache_tokens))
+        return AutoEngine(hf=VllmEngine(workdir, python=vllm_python, kv_cache_tokens=kv_cache_tokens,
+                                        optimization_level=vllm_optimization_level))
     return AutoEngine(hf=TransformersEngine(kv_cache_tokens=kv_cache_tokens))
 
 
@@ -324,13 +338,20 @@ def main(argv=None) -> int:
     from lib.logging_setup import setup
     a = build_parser().parse_args(argv)
     setup()
-    if not a.admin_token:
+    admin_token = read_secret(a, ADMIN_TOKEN)
+    if not admin_token:
         print(json.dumps({"level": "ERROR", "msg": "no admin token: set WEIGHTCAST_ADMIN_TOKEN (from a secret) "
-                                                   "or --admin-token; load/unload must be authenticated"}), file=sys.stderr)
+                                                   "or --admin-token-file; load/unload must be authenticated"}), file=sys.stderr)
         return 2
+    if not a.trusted_key:
+        print(json.dumps({"level": "ERROR", "msg": "no --trusted-key: the model server loads only versions signed "
+                                                   "by a key it trusts"}), file=sys.stderr)
+        return 2
+    trust = ManifestTrust(tuple(load_public_key(k) for k in a.trusted_key), allow_pinned=a.allow_pinned)
     ms = ModelServer(a.id, engine=engine_for(a), max_versions=a.max_versions, memory_budget=a.memory_budget,
-                     store_root=a.store, admin_token=a.admin_token)
-    run_guarded(make_app(ms), a.listen, a.port, header_timeout=a.header_timeout, ready_file=a.ready_file)
+                     store_root=a.store, admin_token=admin_token, trust=trust)
+    run_guarded(make_app(ms), a.listen, a.port, header_timeout=a.header_timeout,
+                body_timeout=a.body_timeout, ready_file=a.ready_file)
     return 0
 
 

@@ -73,8 +73,12 @@ class Server:
 
 class VllmEngine:
     def __init__(self, workdir: Path, python: str | None = None, max_model_len: int = 256, dtype: str = "bfloat16",
-                 start_timeout_s: float = 900.0, kv_cache_tokens: int = KV_CACHE_TOKENS, drain_timeout_s: float = 60.0):
+                 start_timeout_s: float = 900.0, kv_cache_tokens: int = KV_CACHE_TOKENS, drain_timeout_s: float = 60.0,
+                 optimization_level: int | None = None):
         self.workdir, self.python = Path(workdir), python or vllm_python()
+        # vLLM's -O level (None: vLLM's default). 0 skips torch.compile and CUDA graphs: a cold start in
+        # about half the time, for slower decoding; a fleet that reloads in place pays a cold start rarely
+        self.optimization_level = optimization_level
         self.max_model_len, self.dtype, self.start_timeout_s = max_model_len, dtype, start_timeout_s
         self.drain_timeout_s = drain_timeout_s      # how long a reload waits for an idle server's last answers
         # the KV cache each server reserves (--kv-cache-memory-bytes), on top of the weights; at least one
@@ -129,6 +133,8 @@ class VllmEngine:
         cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                "--served-model-name", key.model, "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
                "--kv-cache-memory-bytes", str(kv_cache_bytes), "--host", "127.0.0.1", "--port", str(port)]
+        if self.optimization_level is not None:
+            cmd += ["--optimization-level", str(self.optimization_level)]
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1",
                "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
         with open(log, "ab") as out:

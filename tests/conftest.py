@@ -1,11 +1,17 @@
 from __future__ import annotations
 
+import asyncio
+import uuid
+from dataclasses import dataclass
+
 import pytest
 
 from peerd import manifest as mf
 from peerd.signing import generate_keypair, load_private_key, load_public_key
 from weightcast.checkpoint_random import write_random_checkpoint
+from weightcast.stack.ports import free_ports
 from weightcast.stack.seaweed import SeaweedS3
+from weightcast.stack.temporal import TemporalDevServer
 
 
 @pytest.fixture(scope="session")
@@ -35,6 +41,36 @@ def seaweed(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def temporal_server(tmp_path_factory):
+    """One Temporal dev server for the whole run (starting and stopping one takes ~1.6 s)."""
+    d = tmp_path_factory.mktemp("temporal")
+    server = TemporalDevServer(free_ports(1)[0], d / "temporal.db", d / "temporal.log").launch()
+    asyncio.run(server.wait_ready())
+    yield server
+    server.stop()
+
+
+@dataclass(frozen=True)
+class SharedTemporal:
+    server: TemporalDevServer
+    namespace: str
+
+    def stack_args(self) -> dict:
+        """EmbeddedStack's arguments that put a stack in this namespace of the shared server."""
+        return {"temporal_server": self.server, "namespace": self.namespace}
+
+    async def client(self):
+        return await self.server.namespace_client(self.namespace)
+
+
+@pytest.fixture
+def temporal(temporal_server):
+    """The run's Temporal server with a namespace of this test's own (created on first use): no workflow
+    id, task queue or list of another test is seen. A test that stops Temporal starts its own instead."""
+    return SharedTemporal(temporal_server, f"test-{uuid.uuid4().hex[:12]}")
+
+
+@pytest.fixture(scope="session")
 def hf_checkpoints(tmp_path_factory):
     """One small trained Hugging Face checkpoint per architecture (bf16, sharded), built once, with its
     golden prompts: {arch: (directory, golden record)}."""
@@ -51,7 +87,7 @@ def hf_checkpoints(tmp_path_factory):
 # or network namespaces. `make test-fast` runs the rest; `make test` runs everything.
 _REAL = ("EmbeddedStack", "Stack()", "Fleet(", "subprocess", "Topology(", "launch(", "weightcast.cli import main",
          "TemporalDevServer", "SeaweedS3", "mp.start_processes", "serve_app(", "ModuleProc")
-_REAL_FIXTURES = {"seaweed", "hf_checkpoints"}
+_REAL_FIXTURES = {"seaweed", "hf_checkpoints", "temporal"}
 _sources: dict[str, str] = {}
 
 

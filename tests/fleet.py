@@ -25,10 +25,10 @@ class Fleet:
         self.ports = dict(zip(ids, free_ports(len(ids))))
         self.procs = {}
         for i in ids:
-            args = fleet_args(i, self.ports, token=TOKEN, trusted_key=pub_path, rate=rate, origin_rate=None,
+            args = fleet_args(i, self.ports, trusted_key=pub_path, rate=rate, origin_rate=None,
                               extra=(["--fault-corrupt-uploads"] if i in corrupt else []) +
                               ["--dead-after", "2"] + (extra or {}).get(i, []))
-            self.procs[i] = PeerdProc(i, self.ports[i], root / i / "store", args, env=s3.env())
+            self.procs[i] = PeerdProc(i, self.ports[i], root / i / "store", args, env=s3.env(), token=TOKEN)
 
     def start(self, ids=None):
         for i in ids or self.ids:

@@ -20,9 +20,10 @@ class Stack:
     """The embedded stack plus a published, signed checkpoint, for one test."""
 
     async def start(self, tmp: Path, seaweed, keys, ids: list[str], rate: float | None = None,
-                    supervise: bool = False, net: Topology | None = None):
+                    supervise: bool = False, net: Topology | None = None, temporal=None):
         """On a kernel network (``net``) the origin is the stack's own, in the origin's namespace:
-        ``seaweed`` is not used."""
+        ``seaweed`` is not used. ``temporal`` (the conftest fixture): the run's Temporal server, in the
+        test's own namespace; without it the stack starts a server of its own (tests that stop it)."""
         self._own_s3 = None
         if net is not None:
             seaweed = self._own_s3 = await asyncio.to_thread(
@@ -33,7 +34,8 @@ class Stack:
         self.origin = await publish(seaweed, src, f"r/{uuid.uuid4().hex[:8]}")
         self.tmp, self.seaweed, self.keys = tmp, seaweed, keys
         self.stack = await EmbeddedStack(tmp / "stack", keys["pub_path"], ids, s3=seaweed, rate=rate,
-                                         supervise=supervise, net=net).start()
+                                         supervise=supervise, net=net,
+                                         **(temporal.stack_args() if temporal else {})).start()
         self.client, self.servers = self.stack.client, self.stack.model_servers
         self.router_addr, self.hosts = self.stack.router_addr, self.stack.hosts
         return self

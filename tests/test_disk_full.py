@@ -53,8 +53,8 @@ def fill(path) -> int:
 
 
 async def test_a_store_filling_up_mid_download_fails_the_host_as_disk_full_and_loses_nothing(
-        tmp_path, seaweed, keys, small_store):
-    s = await Stack().start(tmp_path, seaweed, keys, ["a", "b"], rate=RATE)
+        tmp_path, seaweed, keys, small_store, temporal):
+    s = await Stack().start(tmp_path, seaweed, keys, ["a", "b"], rate=RATE, temporal=temporal)
     try:
         v1 = await start_rollout(s.client, s.input(traffic_steps=[100]))
         assert (await v1.result())["ready"] == ["a", "b"]

@@ -18,11 +18,12 @@ from weightcast.stack.seaweed import ACCESS_KEY, SECRET_KEY
 CHUNKS = 6_400
 
 
-async def test_full_size_manifest_rolls_out_by_reference(tmp_path, seaweed, keys):
+async def test_full_size_manifest_rolls_out_by_reference(tmp_path, seaweed, keys, temporal):
     src = write_checkpoint(tmp_path / "ckpt", SMALL, seed=5, shard_bytes=256 * 1024, version="v1")
     total = sum(p.stat().st_size for p in src.iterdir())
     chunk = total // CHUNKS
-    stack = await EmbeddedStack(tmp_path / "stack", keys["pub_path"], ["a", "b"], s3=seaweed).start()
+    stack = await EmbeddedStack(tmp_path / "stack", keys["pub_path"], ["a", "b"], s3=seaweed,
+                                **temporal.stack_args()).start()
     try:
         req = PublishRequest(src, "tiny", "v1", keys["priv_path"],
                              OriginSpec(seaweed.endpoint, seaweed.bucket, "full-size/v1"), chunk_size=chunk,

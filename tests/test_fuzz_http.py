@@ -29,9 +29,26 @@ SETTINGS = settings(max_examples=int(os.environ.get("WEIGHTCAST_FUZZ_EXAMPLES", 
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 
+# JSON that Python's parser takes but nothing can use: a 5,000-digit integer (int() refuses past 4,300
+# digits with a bare ValueError), a number beyond a double, a UTF-16 body with its BOM (the API is UTF-8)
+UNHOLDABLE = [b'{"x": ' + b"1" * 5000 + b"}", b'{"x": 1e999}', '{"x": 1}'.encode("utf-16")]
+
+
 def body_strategy():
     return st.one_of(JSON.map(lambda v: json.dumps(v).encode()), st.binary(max_size=300),
-                     st.sampled_from([b"[" * 5000, b'{"a": NaN}', b"1e999", b'{"manifest": {}}', b"\xff\xfe"]))
+                     st.sampled_from([b"[" * 5000, b'{"a": NaN}', b"1e999", b'{"manifest": {}}', b"\xff\xfe",
+                                      *UNHOLDABLE]))
+
+
+def unholdable_json_is_400(addr: str, routes, token: str, segs=("tiny", "v1")) -> None:
+    """Every route that reads a JSON body answers each UNHOLDABLE body with a 400, the one entry point's
+    refusal, whatever the route would go on to check."""
+    for method, path in routes:
+        if method in ("POST", "PUT"):
+            for body in UNHOLDABLE:
+                status = send(addr, method, path.removeprefix("router:").format(*segs), body,
+                              {"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+                assert status == 400, (addr, method, path, body[:12], status)
 
 
 def send(addr: str, method: str, path: str, body: bytes, headers: dict) -> int:
@@ -106,6 +123,7 @@ def test_peerd_answers_every_client_input_with_less_than_500(tmp_path, seaweed, 
             status = send(addr, method, path.format(*segs), body, auth_header(auth, TOKEN))
             assert status < 500, (method, path.format(*segs), body[:80], status)
         probe()
+        unholdable_json_is_400(addr, PEERD_ROUTES, TOKEN)
         assert send(addr, "GET", "/healthz", b"", {}) == 200 and fleet.procs["f"].running
         assert rss_kb(pid) - rss0 < 150 * 1024, "peerd grew by more than 150 MB under fuzzing"
     finally:
@@ -137,6 +155,10 @@ def test_model_server_and_router_answer_every_client_input_with_less_than_500(tm
             designed_503 = (path.startswith(("/health/ready", "/v1/models/")) or target == r_addr) and status == 503
             assert status < 500 or designed_503, (target, method, path.format(*segs), body[:80], status)
         probe()
+        unholdable_json_is_400(ms_addr, [r for r in SERVING_ROUTES if not r[1].startswith(("/admin", "/v1/models",
+                                                                                          "router:"))], ADMIN)
+        unholdable_json_is_400(r_addr, [r for r in SERVING_ROUTES if r[1].startswith(("/admin", "/v1/models",
+                                                                                     "router:"))], ADMIN)
         assert send(ms_addr, "GET", "/health/ready?model=tiny&model_version=v1", b"", {}) in (200, 503)
         assert send(r_addr, "GET", "/metrics", b"", {}) == 200
     finally:

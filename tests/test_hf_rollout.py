@@ -18,11 +18,12 @@ from weightcast.stack.seaweed import ACCESS_KEY, SECRET_KEY
 HOSTS = ["a", "b"]
 
 
-async def test_each_architecture_publishes_rolls_out_and_answers(tmp_path, seaweed, keys, hf_checkpoints):
+async def test_each_architecture_publishes_rolls_out_and_answers(tmp_path, seaweed, keys, hf_checkpoints, temporal):
     import openai
 
     from tests.test_openai_api import golden_text
-    stack = await EmbeddedStack(tmp_path / "stack", keys["pub_path"], HOSTS, s3=seaweed).start()
+    stack = await EmbeddedStack(tmp_path / "stack", keys["pub_path"], HOSTS, s3=seaweed,
+                                **temporal.stack_args()).start()
     client = openai.AsyncOpenAI(base_url=f"{stack.router_addr}/v1", api_key="none", max_retries=0)
     try:
         for arch, (src, golden) in hf_checkpoints.items():

@@ -11,7 +11,6 @@ from activities import inventory
 from bench.rollout_shape import fleet_specs, publish
 from peerd.origin import OriginSpec, S3Origin
 from weightcast.stack.seaweed import ACCESS_KEY, SECRET_KEY
-from weightcast.stack.temporal import SEARCH_ATTRIBUTES, temporal_binary
 from workflows.types import INLINE_HOSTS_MAX, HostSpec, ManifestRef, RolloutInput
 
 ORIGIN = {"endpoint": "http://127.0.0.1:1", "bucket": "b", "prefix": "p"}
@@ -54,7 +53,7 @@ def test_the_list_is_named_by_its_digest_and_read_back_only_unaltered():
     assert [h.queue for h in plan.specs()] == ["host-h0", "q"] and set(plan.seeders) == {"h0", "h1"}
 
 
-async def test_a_host_list_altered_after_the_start_is_refused_and_nothing_is_distributed(tmp_path, seaweed, keys):
+async def test_a_host_list_altered_after_the_start_is_refused_and_nothing_is_distributed(tmp_path, seaweed, keys, temporal):
     """The control worker reads the list when the rollout gets to it: bytes that no longer hash to the
     reference fail the rollout with the reason, before any host is asked to download."""
     from workers import control_worker
@@ -66,8 +65,7 @@ async def test_a_host_list_altered_after_the_start_is_refused_and_nothing_is_dis
     async with S3Origin(spec, ACCESS_KEY, SECRET_KEY) as o:
         raw, _ = inventory.encode(fleet_specs(3, 1)[:2] + [HostSpec("intruder")])
         await o.put_bytes(o.spec.key(fleet["inventory"].key), raw)
-    async with await WorkflowEnvironment.start_local(dev_server_existing_path=temporal_binary(),
-                                                     search_attributes=SEARCH_ATTRIBUTES) as env:
+    async with WorkflowEnvironment.from_client(await temporal.client()) as env:
         inp = RolloutInput("tiny", "v1", "", origin, manifest=ref, **fleet)
         async with control_worker.build(env.client, [keys["pub_path"]], (ACCESS_KEY, SECRET_KEY)):
             handle = await env.client.start_workflow(RolloutWorkflow.run, inp, id=f"inv-{uuid.uuid4().hex[:6]}",

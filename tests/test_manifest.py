@@ -49,7 +49,8 @@ def test_no_trusted_keys_refuses_everything(signed):
         mf.load_signed(json.dumps(doc).encode(), [])
 
 
-@pytest.mark.parametrize("path", ["../etc/passwd", "/abs/file", "a/../../b", "a//b", "a\\b", "./x", ""])
+@pytest.mark.parametrize("path", ["../etc/passwd", "/abs/file", "a/../../b", "a//b", "a\\b", "./x", "",
+                                  "verified.json", ".verified.json.123.ab12cd34.tmp"])
 def test_paths_escaping_the_model_directory_are_refused(signed, keys, path):
     m, _ = signed
     body = m.body()

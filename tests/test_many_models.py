@@ -42,8 +42,9 @@ async def roll_out(s: Stack, fields: dict, previous: str = "") -> dict:
         raise AssertionError(f"{handle.id} did not finish: {await handle.query(RolloutWorkflow.status)}") from None
 
 
-async def test_two_models_with_the_same_labels_rolled_out_alternately_both_keep_answering(tmp_path, seaweed, keys):
-    s = await Stack().start(tmp_path, seaweed, keys, HOSTS)
+async def test_two_models_with_the_same_labels_rolled_out_alternately_both_keep_answering(tmp_path, seaweed, keys,
+                                                                                           temporal):
+    s = await Stack().start(tmp_path, seaweed, keys, HOSTS, temporal=temporal)
     try:
         m1, m2 = await s.publish("m", "v1", seed=11), await s.publish("m", "v2", seed=12)
         d1, d2, d3 = [await s.publish("d", f"v{i}", seed=20 + i) for i in (1, 2, 3)]

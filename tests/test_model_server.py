@@ -2,7 +2,9 @@
 import aiohttp
 from aiohttp import web
 
+from peerd.signing import generate_keypair, load_private_key
 from serving.server import ModelServer, make_app
+from serving.trust import ManifestTrust
 from tests.serving_fixtures import store_root, verified_version
 
 ADMIN = "admin-secret"
@@ -178,3 +180,33 @@ async def test_the_same_label_in_two_models_is_two_versions(tmp_path, keys):
             assert ms.versions[("other", "v1")].state == "ready"
     finally:
         await runner.cleanup()
+
+
+async def test_only_versions_signed_by_a_trusted_key_load_and_pinned_ones_only_when_allowed(tmp_path, keys):
+    """peerd verified all three against their manifests; the model server still decides whose manifest
+    it serves: the fleet's signing key, not another key, and no pinned (unsigned) checkpoint unless
+    it was started with --allow-pinned."""
+    generate_keypair(tmp_path / "other.pem", tmp_path / "other.pub")
+    dirs = {"signed": verified_version(tmp_path, "v1", seed=1, key=keys["private"]),
+            "other-key": verified_version(tmp_path, "v2", seed=2, key=load_private_key(tmp_path / "other.pem")),
+            "pinned": verified_version(tmp_path, "v3", seed=3, key=None, pinned=True)}
+    versions = {"signed": "v1", "other-key": "v2", "pinned": "v3"}
+    for allow_pinned in (False, True):
+        ms = ModelServer("h1", store_root=store_root(tmp_path), admin_token=ADMIN,
+                         trust=ManifestTrust((keys["public"],), allow_pinned=allow_pinned), max_versions=3)
+        runner, addr = await serve(make_app(ms))
+        try:
+            async with aiohttp.ClientSession() as s:
+                got = {}
+                for name, d in dirs.items():
+                    st, body, _ = await call(s, "POST", addr + "/v1/load", headers=ADM, json={
+                        "model": "tiny", "model_version": versions[name], "version_id": d.parent.name})
+                    got[name] = (st, body.get("code"), body.get("reason", ""))
+        finally:
+            await runner.cleanup()
+        assert got["signed"][:2] == (200, "")
+        assert got["other-key"][:2] == (409, "untrusted") and "does not verify against the trusted keys" in got["other-key"][2], got
+        if allow_pinned:
+            assert got["pinned"][:2] == (200, "")
+        else:
+            assert got["pinned"][:2] == (409, "untrusted") and "--allow-pinned" in got["pinned"][2], got

@@ -1,9 +1,11 @@
 """Bad input at peerd's HTTP API: clear 4xx answers, and the daemon keeps running."""
 import asyncio
+import dataclasses
 import json
 
 import pytest
 
+from peerd import manifest as mf
 from peerd.chunk_fetch import ChunkFetcher, PeerStatus
 from peerd.ratelimit import TokenBucket
 from tests.fleet import TOKEN, Fleet, call
@@ -74,6 +76,15 @@ async def test_bad_manifests_are_refused_with_reasons(daemon, signed, keys):
     st, body = await call("POST", daemon + "/v1/jobs", json={"manifest": {"manifest": body_, "signature": doc["signature"]}},
                           headers=AUTH)
     assert st == 422 and "escapes" in body["error"]
+    # signed by a trusted key, yet naming the store's own record of what it verified: refused, not 202
+    for name in ("verified.json", ".verified.json.1.ab.tmp"):
+        renamed = dataclasses.replace(m, files=tuple(dataclasses.replace(f, path=name) if i == 0 else f
+                                                     for i, f in enumerate(m.files)),
+                                      chunks=tuple(dataclasses.replace(c, file=name) if c.file == m.files[0].path else c
+                                                   for c in m.chunks))
+        st, body = await call("POST", daemon + "/v1/jobs", json={"manifest": mf.sign_manifest(renamed, keys["private"])},
+                              headers=AUTH)
+        assert st == 422 and "reserved" in body["error"] and "verified.json" in body["error"], body
 
 
 async def test_chunk_requests_are_checked(daemon, signed):

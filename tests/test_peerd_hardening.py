@@ -140,9 +140,9 @@ async def test_names_are_matched_in_full():
         mf.safe_relative_path("ok/\x01name")
 
 
-async def test_connections_that_never_finish_their_headers_are_closed(tmp_path, seaweed, keys):
+async def test_connections_that_never_finish_their_headers_or_bodies_are_closed(tmp_path, seaweed, keys):
     fleet = Fleet(tmp_path, seaweed, keys["pub_path"], ["s"],
-                  extra={"s": ["--header-timeout", "1", "--max-connections", "20"]}).start()
+                  extra={"s": ["--header-timeout", "1", "--body-timeout", "2", "--max-connections", "20"]}).start()
     u = urlparse(fleet.procs["s"].addr)
     try:
         slow = []
@@ -157,5 +157,27 @@ async def test_connections_that_never_finish_their_headers_are_closed(tmp_path, 
         assert all(data == b"" for data in closed)   # every one closed by the server (EOF, no answer)
         for _, w in slow:
             w.close()
+
+        # a whole head, then a body trickled a byte at a time: closed once its 2 s body deadline passes
+        async def trickle(w):
+            while True:
+                w.write(b" ")
+                await w.drain()
+                await asyncio.sleep(0.3)
+        trickling = []
+        for _ in range(5):
+            r, w = await asyncio.open_connection(u.hostname, u.port)
+            w.write(f"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+                    "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{".encode())
+            trickling.append((r, w, asyncio.create_task(trickle(w))))
+        try:
+            ended = await asyncio.wait_for(asyncio.gather(*(r.read() for r, _, _ in trickling)), timeout=10)
+            assert all(not data.startswith(b"HTTP/1.1 2") for data in ended)     # never accepted, never kept
+        finally:
+            for _, w, t in trickling:
+                t.cancel()
+                w.close()
+        st, body = await call("GET", fleet.procs["s"].addr + "/healthz")
+        assert st == 200
     finally:
         fleet.stop()

@@ -28,7 +28,7 @@ async def test_hosts_adopt_their_own_files_and_swap_the_rest(tmp_path, seaweed, 
     (src / "__1_0.distcp").write_bytes(b_bytes)
     m = mf.build_from_directory(src, "train-run", "step-00000010", chunk_size=16 * 1024)
     body = {"manifest": m.body()}
-    fleet = Fleet(tmp_path, seaweed, keys["pub_path"], ["a", "b", "c"]).start()
+    fleet = Fleet(tmp_path, seaweed, keys["pub_path"], ["a", "b", "c", "d"]).start()
     try:
         place(fleet, "a", m, {"__0_0.distcp": a_bytes, "__1_0.distcp": b"\x00" * len(b_bytes)})  # a's copy of b's is wrong
         place(fleet, "b", m, {"__1_0.distcp": b_bytes})
@@ -55,6 +55,20 @@ async def test_hosts_adopt_their_own_files_and_swap_the_rest(tmp_path, seaweed, 
             # a pinned manifest is served marked as pinned: it can never pass as a signed one
             doc = json.loads(await cc.manifest(m.digest))
             assert doc["pinned"] is True and "signature" not in doc
+        async with fleet.client("d") as cd:
+            # asked for the same version id on the signed path while the origin is unreachable, a host
+            # turns to its peers: their manifest is the pinned one, refused there (docs/trust.md)
+            origin = {"endpoint": "http://127.0.0.1:9", "bucket": seaweed.bucket, "prefix": "nowhere"}
+            try:
+                await cd.start_job(None, origin=origin, manifest_ref={"version_id": m.digest,
+                                                                      "key": ".weightcast-manifest.json"})
+                raise AssertionError("a pinned manifest from a peer passed the signed path")
+            except PeerdError as e:
+                assert e.status == 502 and "nor from a peer" in e.message
+            assert not (tmp_path / "d" / "store" / "versions" / m.digest).exists()
+            refusals = [json.loads(line) for line in fleet.procs["d"].log_path.read_text().splitlines()
+                        if "manifest from peer failed" in line]
+            assert refusals and all("signature" in r["error"] for r in refusals), refusals   # asked, refused
         # restarted, a host serves its pinned versions again
         fleet.procs["b"].stop()
         fleet.procs["b"].start()

@@ -2,6 +2,7 @@
 model servers and router (loopback)."""
 import json
 import uuid
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -15,8 +16,8 @@ from workflows.rollout import RolloutWorkflow
 from workflows.types import CONTROL_QUEUE, HostSpec
 
 
-async def test_rollout_end_to_end(tmp_path, seaweed, keys):
-    s = await Stack().start(tmp_path, seaweed, keys, ["a", "b", "c"])
+async def test_rollout_end_to_end(tmp_path, seaweed, keys, temporal):
+    s = await Stack().start(tmp_path, seaweed, keys, ["a", "b", "c"], temporal=temporal)
     try:
         wid = f"rollout-tiny-v1-{uuid.uuid4().hex[:6]}"
         handle = await start_rollout(s.client, s.input(), wid)
@@ -34,12 +35,28 @@ async def test_rollout_end_to_end(tmp_path, seaweed, keys):
         with pytest.raises(WorkflowAlreadyStartedError):
             await start_rollout(s.client, s.input(), wid)
         await replays(handle, "preempt-end-to-end")
+        # the stack's peerds, host workers and servers got their tokens by environment: `ps` shows none
+        children = [p.proc.pid for p in [*s.stack.peerd.values(), *s.stack.host_workers.values()]]
+        assert len(children) == 6 and not leaks(s.stack.token) and not leaks(s.stack.admin_token)
     finally:
         await s.stop()
 
 
-async def test_tampered_manifest_fails_and_nothing_loads(tmp_path, seaweed, keys):
-    s = await Stack().start(tmp_path, seaweed, keys, ["a"])
+def leaks(secret: str) -> list[str]:
+    """The command lines of this machine's processes that hold ``secret``."""
+    out = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            raw = cmdline.read_bytes()
+        except OSError:                 # a process that ended meanwhile
+            continue
+        if secret.encode() in raw:
+            out.append(raw.replace(b"\0", b" ").decode(errors="replace"))
+    return out
+
+
+async def test_tampered_manifest_fails_and_nothing_loads(tmp_path, seaweed, keys, temporal):
+    s = await Stack().start(tmp_path, seaweed, keys, ["a"], temporal=temporal)
     try:
         doc = json.loads(s.signed)
         doc["manifest"]["chunks"][0]["digest"] = "0" * 64
@@ -55,8 +72,8 @@ async def test_tampered_manifest_fails_and_nothing_loads(tmp_path, seaweed, keys
         await s.stop()
 
 
-async def test_unreachable_host_is_excluded_and_controls_validate(tmp_path, seaweed, keys):
-    s = await Stack().start(tmp_path, seaweed, keys, ["a", "b"])
+async def test_unreachable_host_is_excluded_and_controls_validate(tmp_path, seaweed, keys, temporal):
+    s = await Stack().start(tmp_path, seaweed, keys, ["a", "b"], temporal=temporal)
     try:
         inp = s.input(failure_budget=0.5, unreachable_after_s=3)
         inp.hosts = inp.hosts + [HostSpec("ghost", model_server="http://127.0.0.1:9")]   # nobody polls host-ghost

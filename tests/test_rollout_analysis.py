@@ -47,8 +47,8 @@ async def traffic(router: str, stop: asyncio.Event) -> int:
     return sent
 
 
-async def test_bad_and_slow_versions_roll_back_automatically_a_good_one_passes(tmp_path, seaweed, keys):
-    s = await Stack().start(tmp_path, seaweed, keys, ["a", "b"])
+async def test_bad_and_slow_versions_roll_back_automatically_a_good_one_passes(tmp_path, seaweed, keys, temporal):
+    s = await Stack().start(tmp_path, seaweed, keys, ["a", "b"], temporal=temporal)
     stop = asyncio.Event()
     load = None
     try:
@@ -82,7 +82,8 @@ async def test_bad_and_slow_versions_roll_back_automatically_a_good_one_passes(t
         # on-call: back to the version v4 replaced, through a workflow
         cli = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "weightcast.cli", "rollout", "rollback", "tiny", "--reason", "drill",
-            "--temporal", s.stack.temporal_addr, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            "--temporal", s.stack.temporal_addr, "--namespace", s.stack.namespace,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
         stdout, stderr = await cli.communicate()
         assert cli.returncode == 0, stderr.decode()[-2000:]
         out = json.loads(stdout.decode().strip().splitlines()[-1])
@@ -91,7 +92,8 @@ async def test_bad_and_slow_versions_roll_back_automatically_a_good_one_passes(t
         await replays(s.client.get_workflow_handle(out["workflow_id"]), "rollback")
         bad = await asyncio.create_subprocess_exec(                  # a name that is not one: refused, not queried
             sys.executable, "-m", "weightcast.cli", "rollout", "rollback", "tiny' OR 'x", "--temporal",
-            s.stack.temporal_addr, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            s.stack.temporal_addr, "--namespace", s.stack.namespace,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
         _, stderr = await bad.communicate()
         assert bad.returncode == 2 and "is not a model name" in stderr.decode()
     finally:

@@ -43,8 +43,8 @@ async def stored(s: Stack, host: str) -> list[str]:
 
 
 async def test_pause_stops_every_download_within_seconds_and_resume_continues_from_the_bitmaps(
-        tmp_path, seaweed, keys):
-    s = await Stack().start(tmp_path, seaweed, keys, ["a", "b"], rate=RATE)
+        tmp_path, seaweed, keys, temporal):
+    s = await Stack().start(tmp_path, seaweed, keys, ["a", "b"], rate=RATE, temporal=temporal)
     try:
         _, handle = await rollout_mid_distribution(s, "rollout-tiny-v1-paused")
         t0 = time.monotonic()
@@ -84,8 +84,8 @@ async def test_pause_stops_every_download_within_seconds_and_resume_continues_fr
 
 
 async def test_abort_mid_distribution_stops_downloads_and_removes_the_version_within_seconds(
-        tmp_path, seaweed, keys):
-    s = await Stack().start(tmp_path, seaweed, keys, ["a", "b"], rate=RATE)
+        tmp_path, seaweed, keys, temporal):
+    s = await Stack().start(tmp_path, seaweed, keys, ["a", "b"], rate=RATE, temporal=temporal)
     try:
         _, handle = await rollout_mid_distribution(s, "rollout-tiny-v1-aborted")
         assert s.m.digest in await stored(s, "a")
@@ -112,8 +112,8 @@ async def test_abort_mid_distribution_stops_downloads_and_removes_the_version_wi
         await s.stop()
 
 
-async def test_abort_during_a_traffic_dwell_does_not_wait_for_it(tmp_path, seaweed, keys):
-    s = await Stack().start(tmp_path, seaweed, keys, ["a", "b"])
+async def test_abort_during_a_traffic_dwell_does_not_wait_for_it(tmp_path, seaweed, keys, temporal):
+    s = await Stack().start(tmp_path, seaweed, keys, ["a", "b"], temporal=temporal)
     try:
         inp = s.input(traffic_steps=[10, 100])
         inp.step_wait_s = 300                      # an hour-long bake would look the same
@@ -134,12 +134,12 @@ async def test_abort_during_a_traffic_dwell_does_not_wait_for_it(tmp_path, seawe
 
 @pytest.mark.parametrize("victim", ["host worker", "peerd"])
 async def test_status_shows_live_bytes_and_a_downed_host_as_stuck_with_the_reason(
-        tmp_path, seaweed, keys, victim):
+        tmp_path, seaweed, keys, victim, temporal):
     """A killed host worker or peerd shows in `rollout status` as stuck, with the reason (times printed;
     the limits are ~3x what is measured, the figures are docs/control-plane.md's);
     restarted, the host's download carries on at once: a restarted worker hands its dead predecessor's
     attempt back instead of waiting out the (here 120 s) heartbeat timeout."""
-    s = await Stack().start(tmp_path, seaweed, keys, ["a", "b"], rate=RATE)
+    s = await Stack().start(tmp_path, seaweed, keys, ["a", "b"], rate=RATE, temporal=temporal)
     try:
         wid = f"rollout-tiny-v1-{uuid.uuid4().hex[:6]}"
         handle = await start_rollout(s.client, s.input(heartbeat_timeout_s=120), wid)
@@ -186,8 +186,8 @@ async def test_status_shows_live_bytes_and_a_downed_host_as_stuck_with_the_reaso
         await s.stop()
 
 
-async def test_abort_during_a_slow_load_cancels_it_and_nothing_stays_loaded(tmp_path, seaweed, keys):
-    s = await Stack().start(tmp_path, seaweed, keys, ["a", "b"])
+async def test_abort_during_a_slow_load_cancels_it_and_nothing_stays_loaded(tmp_path, seaweed, keys, temporal):
+    s = await Stack().start(tmp_path, seaweed, keys, ["a", "b"], temporal=temporal)
     try:
         for server in s.servers.values():
             server.faults = {("tiny", "v1"): {"load_delay_s": 6.0}}    # a load that takes a while (a large checkpoint)
@@ -248,8 +248,8 @@ async def mend(s: Stack) -> None:
     assert vs.state == "ready"
 
 
-async def test_pause_then_abort_while_a_traffic_step_is_retrying_each_act_within_5_s(tmp_path, seaweed, keys):
-    s = await Stack().start(tmp_path, seaweed, keys, ["a", "b"])
+async def test_pause_then_abort_while_a_traffic_step_is_retrying_each_act_within_5_s(tmp_path, seaweed, keys, temporal):
+    s = await Stack().start(tmp_path, seaweed, keys, ["a", "b"], temporal=temporal)
     try:
         handle = await refused_traffic_step(s)
         t0 = time.monotonic()
@@ -277,24 +277,24 @@ async def test_pause_then_abort_while_a_traffic_step_is_retrying_each_act_within
         await s.stop()
 
 
-async def test_a_step_failing_past_its_bound_pauses_as_stuck_and_resumes_once_mended(tmp_path, seaweed, keys):
+async def test_a_step_failing_past_its_bound_pauses_as_stuck_and_resumes_once_mended(tmp_path, seaweed, keys, temporal):
     from weightcast.cli import main
-    s = await Stack().start(tmp_path, seaweed, keys, ["a", "b"])
+    s = await Stack().start(tmp_path, seaweed, keys, ["a", "b"], temporal=temporal)
     try:
         handle = await refused_traffic_step(s, stuck_after_s=3)
         st = await until(lambda: held(handle), 30, "the stuck step pausing the rollout")
         assert st.stuck_step.startswith("traffic 1% has failed for") and "router refused weights" in st.stuck_step
         assert st.detail.startswith("STUCK, PAUSED")
         # `rollout status --watch` (what `publish --wait` runs) says so and exits 4: an operator's turn
-        temporal = s.stack.temporal_addr
+        where = ["--temporal", s.stack.temporal_addr, "--namespace", s.stack.namespace]
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
-            rc = await asyncio.to_thread(main, ["rollout", "status", handle.id, "--watch", "--temporal", temporal])
+            rc = await asyncio.to_thread(main, ["rollout", "status", handle.id, "--watch", *where])
         final = json.loads(out.getvalue().strip().splitlines()[-1])
         assert rc == 4 and final["status"] == "STUCK" and "router refused weights" in final["stuck"]
 
         await mend(s)
-        assert await asyncio.to_thread(main, ["rollout", "resume", handle.id, "--temporal", temporal]) == 0
+        assert await asyncio.to_thread(main, ["rollout", "resume", handle.id, *where]) == 0
         result = await handle.result()
         assert result["traffic"] == {"v2": 100} and (await handle.query(RolloutWorkflow.status)).stuck_step == ""
         await replays(handle, "preempt-stuck-then-resumed")
@@ -302,8 +302,8 @@ async def test_a_step_failing_past_its_bound_pauses_as_stuck_and_resumes_once_me
         await s.stop()
 
 
-async def test_pause_and_resume_in_the_load_phase(tmp_path, seaweed, keys):
-    s = await Stack().start(tmp_path, seaweed, keys, ["a", "b"])
+async def test_pause_and_resume_in_the_load_phase(tmp_path, seaweed, keys, temporal):
+    s = await Stack().start(tmp_path, seaweed, keys, ["a", "b"], temporal=temporal)
     try:
         for server in s.servers.values():
             server.faults = {("tiny", "v1"): {"load_delay_s": 3.0}}   # each load takes a while
@@ -326,8 +326,8 @@ async def test_pause_and_resume_in_the_load_phase(tmp_path, seaweed, keys):
         await s.stop()
 
 
-async def test_set_concurrency_changes_how_many_hosts_load_at_once(tmp_path, seaweed, keys):
-    s = await Stack().start(tmp_path, seaweed, keys, ["a", "b"])
+async def test_set_concurrency_changes_how_many_hosts_load_at_once(tmp_path, seaweed, keys, temporal):
+    s = await Stack().start(tmp_path, seaweed, keys, ["a", "b"], temporal=temporal)
     try:
         for server in s.servers.values():
             server.faults = {("tiny", "v1"): {"load_delay_s": 3.0}}
@@ -343,22 +343,22 @@ async def test_set_concurrency_changes_how_many_hosts_load_at_once(tmp_path, sea
         await s.stop()
 
 
-async def test_pause_and_resume_during_a_traffic_dwell_through_the_cli(tmp_path, seaweed, keys):
+async def test_pause_and_resume_during_a_traffic_dwell_through_the_cli(tmp_path, seaweed, keys, temporal):
     from weightcast.cli import main
-    s = await Stack().start(tmp_path, seaweed, keys, ["a", "b"])
+    s = await Stack().start(tmp_path, seaweed, keys, ["a", "b"], temporal=temporal)
     try:
         inp = s.input(traffic_steps=[10, 100])
         inp.step_wait_s = 3
         handle = await start_rollout(s.client, inp, f"rollout-tiny-v1-{uuid.uuid4().hex[:6]}")
 
         await until_traffic(handle, {"v1": 10})
-        temporal = s.stack.temporal_addr
-        assert await asyncio.to_thread(main, ["rollout", "pause", handle.id, "--temporal", temporal]) == 0
+        where = ["--temporal", s.stack.temporal_addr, "--namespace", s.stack.namespace]
+        assert await asyncio.to_thread(main, ["rollout", "pause", handle.id, *where]) == 0
         await until(lambda: held(handle), ACT_WITHIN_S, "the pause acted on during the dwell")
         await asyncio.sleep(4)                                    # longer than the dwell: it does not run out
         st = await handle.query(RolloutWorkflow.status)
         assert st.phase == "traffic" and st.traffic == {"v1": 10}
-        assert await asyncio.to_thread(main, ["rollout", "resume", handle.id, "--temporal", temporal]) == 0
+        assert await asyncio.to_thread(main, ["rollout", "resume", handle.id, *where]) == 0
         result = await handle.result()
         assert result["traffic"] == {"v1": 100}
     finally:

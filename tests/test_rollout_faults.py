@@ -67,8 +67,8 @@ async def distribute_attempts(s: Stack, wid: str) -> list[int]:
             if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_STARTED]
 
 
-async def test_host_worker_sigkilled_mid_distribution_resumes(tmp_path, seaweed, keys):
-    s = await Stack().start(tmp_path, seaweed, keys, ["a", "b"], rate=RATE)
+async def test_host_worker_sigkilled_mid_distribution_resumes(tmp_path, seaweed, keys, temporal):
+    s = await Stack().start(tmp_path, seaweed, keys, ["a", "b"], rate=RATE, temporal=temporal)
     try:
         wid, handle = await rollout_mid_distribution(s, heartbeat_timeout_s=2)
         live = await live_progress(s, wid, "a")     # what `weightcast rollout status` shows mid-distribution
@@ -86,8 +86,8 @@ async def test_host_worker_sigkilled_mid_distribution_resumes(tmp_path, seaweed,
         await s.stop()
 
 
-async def test_peerd_sigkilled_mid_distribution_resumes_from_bitmap(tmp_path, seaweed, keys):
-    s = await Stack().start(tmp_path, seaweed, keys, ["a", "b"], rate=RATE)
+async def test_peerd_sigkilled_mid_distribution_resumes_from_bitmap(tmp_path, seaweed, keys, temporal):
+    s = await Stack().start(tmp_path, seaweed, keys, ["a", "b"], rate=RATE, temporal=temporal)
     try:
         wid, handle = await rollout_mid_distribution(s)
         s.stack.peerd["a"].kill()
@@ -132,8 +132,8 @@ async def wait_paused(handle, timeout: float = 60):
     raise TimeoutError("the rollout did not pause")
 
 
-async def test_failures_beyond_budget_pause_then_resume_or_abort(tmp_path, seaweed, keys):
-    s = await Stack().start(tmp_path, seaweed, keys, ["a", "b"])
+async def test_failures_beyond_budget_pause_then_resume_or_abort(tmp_path, seaweed, keys, temporal):
+    s = await Stack().start(tmp_path, seaweed, keys, ["a", "b"], temporal=temporal)
     try:
         ghost = HostSpec("ghost", model_server="http://127.0.0.1:9")    # nobody polls host-ghost
         inp = s.input(failure_budget=0.0, unreachable_after_s=2)
@@ -164,8 +164,8 @@ async def test_failures_beyond_budget_pause_then_resume_or_abort(tmp_path, seawe
         await s.stop()
 
 
-async def test_invalid_inputs_are_refused_with_clear_errors(tmp_path, seaweed, keys):
-    s = await Stack().start(tmp_path, seaweed, keys, ["a"])
+async def test_invalid_inputs_are_refused_with_clear_errors(tmp_path, seaweed, keys, temporal):
+    s = await Stack().start(tmp_path, seaweed, keys, ["a"], temporal=temporal)
     try:
         bad = s.input(max_concurrent_loads=0, traffic_steps=[50, 10], failure_budget=2.0)
         bad.hosts = bad.hosts + [HostSpec("a", model_server="http://x")]

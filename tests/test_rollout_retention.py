@@ -20,8 +20,8 @@ def disk_bytes(path) -> int:
     return sum(p.stat().st_blocks * 512 for p in path.rglob("*") if p.is_file())
 
 
-async def test_ten_successive_rollouts_keep_the_store_bounded(tmp_path, seaweed, keys):
-    s = await Stack().start(tmp_path, seaweed, keys, ["a"])
+async def test_ten_successive_rollouts_keep_the_store_bounded(tmp_path, seaweed, keys, temporal):
+    s = await Stack().start(tmp_path, seaweed, keys, ["a"], temporal=temporal)
     try:
         store = s.stack.peerd["a"].store
         sizes = []

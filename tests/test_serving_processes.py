@@ -49,11 +49,16 @@ def status_of(req: urllib.request.Request) -> int:
     ("serving.router", [], "/admin/models/tiny"),
     ("serving.server", ["--id", "h1", "--store", "/nonexistent-store"], "/v1/unload"),
 ])
-def test_serving_processes_need_a_token_and_shed_silent_connections(module, extra, admin_path):
+def test_serving_processes_need_a_token_and_shed_silent_connections(module, extra, admin_path, keys):
     port, port2 = free_ports(2)
     refused = start(module, port2, *extra, token=None)
     out, _ = refused.communicate(timeout=60)
     assert refused.returncode == 2 and b"admin token" in out
+    if module == "serving.server":              # and the keys whose signed versions it may load
+        refused = start(module, port2, *extra, token="s3cret")
+        out, _ = refused.communicate(timeout=60)
+        assert refused.returncode == 2 and b"--trusted-key" in out
+        extra = [*extra, "--trusted-key", str(keys["pub_path"])]
 
     proc = start(module, port, *extra, token="s3cret")
     try:

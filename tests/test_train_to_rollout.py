@@ -39,8 +39,9 @@ def chain_input(tmp: Path, stack: EmbeddedStack, seaweed, run: str, **kw) -> Tra
                          collective_timeout_s=20.0, rollout=rollout, publish_chunk_size=64 * 1024, **kw)
 
 
-async def test_trained_weights_roll_out_through_one_durable_chain(tmp_path, seaweed, keys):
-    stack = await EmbeddedStack(tmp_path / "stack", keys["pub_path"], HOSTS, s3=seaweed).start()
+async def test_trained_weights_roll_out_through_one_durable_chain(tmp_path, seaweed, keys, temporal):
+    stack = await EmbeddedStack(tmp_path / "stack", keys["pub_path"], HOSTS, s3=seaweed,
+                                **temporal.stack_args()).start()
     creds = seaweed.env()
     try:
         async with publish_worker.build(stack.client, keys["priv_path"],
@@ -77,8 +78,9 @@ async def test_trained_weights_roll_out_through_one_durable_chain(tmp_path, seaw
         await stack.stop()
 
 
-async def test_a_rollout_that_would_be_refused_stops_training_before_any_rank_starts(tmp_path, seaweed, keys):
-    stack = await EmbeddedStack(tmp_path / "stack", keys["pub_path"], HOSTS[:2], s3=seaweed).start()
+async def test_a_rollout_that_would_be_refused_stops_training_before_any_rank_starts(tmp_path, seaweed, keys, temporal):
+    stack = await EmbeddedStack(tmp_path / "stack", keys["pub_path"], HOSTS[:2], s3=seaweed,
+                                **temporal.stack_args()).start()
     generate_keypair(tmp_path / "other.pem", tmp_path / "other.pub")       # a key the fleet does not trust
     try:
         async with publish_worker.build(stack.client, tmp_path / "other.pem"):

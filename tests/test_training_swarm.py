@@ -17,7 +17,6 @@ from tests.training_fixtures import CONFIG, hosts, progress
 from tests.waiting import until
 from training.checkpoint import MARK
 from training.config import TrainConfig
-from weightcast.stack.temporal import SEARCH_ATTRIBUTES, temporal_binary
 from workers import control_worker
 from workflows.training import TrainingWorkflow
 from workflows.training_types import TrainingInput
@@ -31,10 +30,9 @@ def complete_steps(root: Path, host: str) -> list[int]:
     return sorted(int(p.name.removeprefix("step-")) for p in (root / host / "ckpt").glob("step-*") if (p / MARK).is_file())
 
 
-async def test_a_replacement_host_gets_the_checkpoint_from_its_peers(tmp_path, keys, seaweed):
+async def test_a_replacement_host_gets_the_checkpoint_from_its_peers(tmp_path, keys, seaweed, temporal):
     fleet = Fleet(tmp_path, seaweed, keys["pub_path"], HOSTS).start()
-    async with await WorkflowEnvironment.start_local(dev_server_existing_path=temporal_binary(),
-                                                     search_attributes=SEARCH_ATTRIBUTES) as env:
+    async with WorkflowEnvironment.from_client(await temporal.client()) as env:
         procs = await hosts(env, tmp_path, HOSTS, fleet=fleet)
         try:
             run = uuid.uuid4().hex[:6]

@@ -46,9 +46,8 @@ def uninterrupted(tmp_path_factory):
     return plain_loss(tmp_path_factory.mktemp("plain") / "run")
 
 
-async def run_training(tmp_path, keys, fault, overrides=()):
-    async with await WorkflowEnvironment.start_local(dev_server_existing_path=temporal_binary(),
-                                                     search_attributes=SEARCH_ATTRIBUTES) as env:
+async def run_training(tmp_path, keys, temporal, fault, overrides=()):
+    async with WorkflowEnvironment.from_client(await temporal.client()) as env:
         procs = await hosts(env, tmp_path, ["t0", "t1", "t2"])
         try:
             run = uuid.uuid4().hex[:6]
@@ -72,12 +71,13 @@ async def run_training(tmp_path, keys, fault, overrides=()):
                 p.stop()
 
 
-async def test_a_killed_rank_restarts_from_the_newest_checkpoint_with_the_same_loss(tmp_path, keys, uninterrupted):
+async def test_a_killed_rank_restarts_from_the_newest_checkpoint_with_the_same_loss(tmp_path, keys, uninterrupted,
+                                                                                   temporal):
     async def kill_rank(procs):
         await until(lambda: progress(tmp_path, "t1", 1).get("step", 0) >= 17)
         os.kill(progress(tmp_path, "t1", 1)["pid"], signal.SIGKILL)
 
-    result, st = await run_training(tmp_path, keys, kill_rank)
+    result, st = await run_training(tmp_path, keys, temporal, kill_rank)
     assert len(result.recoveries) == 1
     rec = result.recoveries[0]
     assert rec.rank == 1 and rec.host == "t1" and rec.action == "restart on t1" and "was killed by SIGKILL" in rec.reason
@@ -93,26 +93,26 @@ async def test_a_killed_rank_restarts_from_the_newest_checkpoint_with_the_same_l
 
 
 @pytest.mark.parametrize("layout", ["fsdp", "tp"])
-async def test_sharded_layouts_recover_from_their_sharded_checkpoints(tmp_path, keys, layout):
+async def test_sharded_layouts_recover_from_their_sharded_checkpoints(tmp_path, keys, layout, temporal):
     """FSDP shards parameters and optimiser state, TP splits the weights: both save shards and resume
     from them, ending where the uninterrupted run of the same layout ends."""
     async def kill_rank(procs):
         await until(lambda: progress(tmp_path, "t1", 1).get("step", 0) >= 17)
         os.kill(progress(tmp_path, "t1", 1)["pid"], signal.SIGKILL)
 
-    result, st = await run_training(tmp_path, keys, kill_rank, [f"layout={layout}"])
+    result, st = await run_training(tmp_path, keys, temporal, kill_rank, [f"layout={layout}"])
     assert [r.action for r in result.recoveries] == ["restart on t1"] and result.steps == 40
     assert progress(tmp_path, "t0", 0)["first_step"] in (10, 15)
     assert result.final_loss == pytest.approx(plain_loss(tmp_path / "plain", [f"layout={layout}"]), rel=1e-5, abs=1e-6)
     assert json.loads((tmp_path / "export" / SMOKE).read_text())["version"] == result.run   # exported whole
 
 
-async def test_a_silent_host_loses_its_rank_to_a_spare(tmp_path, keys, uninterrupted):
+async def test_a_silent_host_loses_its_rank_to_a_spare(tmp_path, keys, uninterrupted, temporal):
     async def kill_host_worker(procs):
         await until(lambda: progress(tmp_path, "t1", 1).get("step", 0) >= 12)
         procs["t1"].proc.kill()                 # the host worker: its rank's heartbeats stop
 
-    result, st = await run_training(tmp_path, keys, kill_host_worker)
+    result, st = await run_training(tmp_path, keys, temporal, kill_host_worker)
     assert [r.action for r in result.recoveries][:1] == ["migrate to t2"]
     assert "heartbeat" in result.recoveries[0].reason
     assert st.ranks == ["t0", "t2"] and st.spares == []
@@ -123,9 +123,8 @@ async def test_a_silent_host_loses_its_rank_to_a_spare(tmp_path, keys, uninterru
     assert result.final_loss == pytest.approx(uninterrupted, rel=1e-5, abs=1e-6)
 
 
-async def test_a_config_that_cannot_be_placed_is_refused_before_anything_starts(tmp_path, keys):
-    async with await WorkflowEnvironment.start_local(dev_server_existing_path=temporal_binary(),
-                                                     search_attributes=SEARCH_ATTRIBUTES) as env:
+async def test_a_config_that_cannot_be_placed_is_refused_before_anything_starts(tmp_path, keys, temporal):
+    async with WorkflowEnvironment.from_client(await temporal.client()) as env:
         inp = TrainingInput(run="x", config=TrainConfig.load(None, [*CONFIG, "world_size=4"]).to_dict(),
                             hosts=["t0", "t1"], checkpoint_dir=str(tmp_path / "ckpt"))
         async with control_worker.build(env.client, [keys["pub_path"]]):
@@ -136,9 +135,8 @@ async def test_a_config_that_cannot_be_placed_is_refused_before_anything_starts(
     assert not (tmp_path / "ckpt").exists()
 
 
-async def test_pause_checkpoint_now_resume_and_abort(tmp_path, keys):
-    async with await WorkflowEnvironment.start_local(dev_server_existing_path=temporal_binary(),
-                                                     search_attributes=SEARCH_ATTRIBUTES) as env:
+async def test_pause_checkpoint_now_resume_and_abort(tmp_path, keys, temporal):
+    async with WorkflowEnvironment.from_client(await temporal.client()) as env:
         procs = await hosts(env, tmp_path, ["t0", "t1"])
         try:
             cfg = TrainConfig.load(None, [*CONFIG, "steps=400"]).to_dict()
@@ -190,7 +188,7 @@ async def cli(*args) -> tuple[int, str]:
     return p.returncode, out.decode()
 
 
-async def test_the_cli_starts_watches_and_reports_a_run(tmp_path, keys, capsys):
+async def test_the_cli_starts_watches_and_reports_a_run(tmp_path, keys, capsys, temporal):
     from weightcast.cli import main
     # refused before connecting anywhere (no Temporal at this address)
     assert main(["train", "start", "--run", "r", "--hosts", "t0", "--checkpoint-dir", str(tmp_path / "c"),
@@ -199,11 +197,10 @@ async def test_the_cli_starts_watches_and_reports_a_run(tmp_path, keys, capsys):
     with pytest.raises(SystemExit, match="hosts file .*missing.txt not found"):
         main(["train", "start", "--run", "r", "--hosts", str(tmp_path / "missing.txt"), "--checkpoint-dir",
               str(tmp_path / "c"), "--temporal", "127.0.0.1:1", *[f"--set={c}" for c in CONFIG]])
-    async with await WorkflowEnvironment.start_local(dev_server_existing_path=temporal_binary(),
-                                                     search_attributes=SEARCH_ATTRIBUTES) as env:
+    async with WorkflowEnvironment.from_client(await temporal.client()) as env:
         ports = dict(zip(("t0", "t1"), free_ports(2)))
         procs = await hosts(env, tmp_path, ["t0", "t1"], metrics=ports)
-        target = env.client.service_client.config.target_host
+        where = ["--temporal", env.client.service_client.config.target_host, "--namespace", env.client.namespace]
         try:
             async with control_worker.build(env.client, [keys["pub_path"]]):
                 # the hosts from a file; checkpoints by time only (never by steps in a 40-step run)
@@ -211,19 +208,19 @@ async def test_the_cli_starts_watches_and_reports_a_run(tmp_path, keys, capsys):
                 rc, out = await cli("train", "start", "--run", "cli", "--hosts", str(tmp_path / "hosts.txt"),
                                     "--checkpoint-dir", str(tmp_path / "c"), "--checkpoint-every", "1000",
                                     "--checkpoint-every-s", "0.05", "--export", str(tmp_path / "out"),
-                                    "--wait", "--temporal", target, *[f"--set={c}" for c in CONFIG])
+                                    "--wait", *where, *[f"--set={c}" for c in CONFIG])
                 assert rc == 0
                 saved = sorted(int(p.name.removeprefix("step-")) for p in (tmp_path / "c").glob("step-*"))
                 assert saved[-1] == 40 and len(saved) > 1, saved     # the final one and ones due by time
                 final = json.loads(out.strip().splitlines()[-1])
                 assert final["status"] == "COMPLETED" and final["phase"] == "done" and final["final_loss"] > 0
                 for name in ("cli", "train-cli"):        # the run name, or the workflow id `start` printed
-                    rc, out = await cli("train", "status", name, "--temporal", target)
+                    rc, out = await cli("train", "status", name, *where)
                     assert rc == 0
                     st = json.loads(out)
                     assert st["phase"] == "done" and st["ranks"] == ["t0", "t1"] and st["total_steps"] == 40
                 p = await asyncio.create_subprocess_exec(sys.executable, "-m", "weightcast.cli", "train", "status",
-                                                         "train-nope", "--temporal", target,
+                                                         "train-nope", *where,
                                                          stderr=asyncio.subprocess.PIPE)
                 _, err = await p.communicate()
                 assert p.returncode == 2 and "no training run 'train-nope'" in err.decode()   # not a traceback
@@ -273,9 +270,9 @@ async def test_ranks_train_on_while_the_temporal_server_is_down(tmp_path, keys):
         await env.shutdown()
 
 
-async def test_a_corrupt_or_partial_checkpoint_is_refused_and_the_previous_one_used(tmp_path, keys, uninterrupted):
-    async with await WorkflowEnvironment.start_local(dev_server_existing_path=temporal_binary(),
-                                                     search_attributes=SEARCH_ATTRIBUTES) as env:
+async def test_a_corrupt_or_partial_checkpoint_is_refused_and_the_previous_one_used(tmp_path, keys, uninterrupted,
+                                                                                   temporal):
+    async with WorkflowEnvironment.from_client(await temporal.client()) as env:
         procs = await hosts(env, tmp_path, ["t0", "t1"])
         try:
             ckpt = tmp_path / "shared" / "ckpt"
@@ -340,11 +337,10 @@ def test_bench_train_recovery_reports_both_recoveries_side_by_side(capsys):
 
 
 @pytest.mark.parametrize("min_world_size", [0, 1], ids=["waits-for-its-host", "shrinks"])
-async def test_a_lost_host_without_a_spare(tmp_path, keys, uninterrupted, min_world_size):
+async def test_a_lost_host_without_a_spare(tmp_path, keys, uninterrupted, min_world_size, temporal):
     """No spare left: by default the rank waits for its host to return and restarts there; with
     min_world_size the run goes on with fewer data-parallel ranks. Either way the training is the same."""
-    async with await WorkflowEnvironment.start_local(dev_server_existing_path=temporal_binary(),
-                                                     search_attributes=SEARCH_ATTRIBUTES) as env:
+    async with WorkflowEnvironment.from_client(await temporal.client()) as env:
         procs = await hosts(env, tmp_path, ["t0", "t1"])
         try:
             inp = TrainingInput(run="nospare", config=TrainConfig.load(None, CONFIG).to_dict(), hosts=["t0", "t1"],
@@ -382,8 +378,11 @@ def test_shrinking_keeps_the_global_batch_divisible():
     assert W._shrunk(TrainingInput(**{**inp.__dict__, "min_world_size": 0}), ["a", "b", "c"], 0) is None
 
 
-async def test_a_lost_checkpoint_volume_is_restored_from_the_archive(tmp_path, keys, seaweed):
-    steps = 3000
+async def test_a_lost_checkpoint_volume_is_restored_from_the_archive(tmp_path, keys, seaweed, temporal):
+    """The shared checkpoint volume is lost while the ranks write to it, and a rank dies with it: the
+    recovery restores the newest archived checkpoint. A pause first makes sure the archive holds one
+    (on a busy machine the archive once lagged the run by 950 steps); the fault comes right after."""
+    steps = 400
     from peerd.origin import OriginSpec, S3Origin
     from training.archive import newest_archived
     from weightcast.stack.seaweed import ACCESS_KEY, SECRET_KEY
@@ -393,24 +392,27 @@ async def test_a_lost_checkpoint_volume_is_restored_from_the_archive(tmp_path, k
         async with S3Origin(OriginSpec(**where), ACCESS_KEY, SECRET_KEY) as o:
             return await newest_archived(o) or 0
 
-    async with await WorkflowEnvironment.start_local(dev_server_existing_path=temporal_binary(),
-                                                     search_attributes=SEARCH_ATTRIBUTES) as env:
+    async def paused() -> bool:
+        return (await h.query(TrainingWorkflow.status)).phase == "paused"
+
+    async with WorkflowEnvironment.from_client(await temporal.client()) as env:
         procs = await hosts(env, tmp_path, ["t0", "t1"], seaweed.env())
         ckpt = tmp_path / "shared" / "ckpt"
         try:
-            # long enough that the archive holds a checkpoint well before the end, even on a slow machine
-            # (with both cores busy the archive once lagged the run by 950 steps)
             inp = TrainingInput(run="vol", config=TrainConfig.load(None, [*CONFIG, f"steps={steps}"]).to_dict(),
                                 hosts=["t0", "t1"], checkpoint_dir=str(ckpt), checkpoint_every=5,
                                 heartbeat_timeout_s=4.0, collective_timeout_s=20.0, checkpoint_archive=where)
             async with control_worker.build(env.client, [keys["pub_path"]]):
                 h = await env.client.start_workflow(TrainingWorkflow.run, inp, id="train-vol", task_queue=CONTROL_QUEUE)
-                for _ in range(600):                     # until the archive holds a checkpoint past step 10
-                    if await archived() >= 10:
-                        break
-                    await asyncio.sleep(0.1)
+                await until(lambda: progress(tmp_path, "t0", 0).get("step", 0) >= 10, 120, "ten steps")
+                await h.execute_update(TrainingWorkflow.pause, "test: archive before the fault")
+                await until(paused, 60, "the run paused")
+                stopped = progress(tmp_path, "t0", 0)["step"]
                 in_archive = await archived()
-                assert in_archive >= 10
+                assert in_archive == stopped             # a paused run's last checkpoint is archived
+                await h.execute_update(TrainingWorkflow.resume, "test: go on")
+                await until(lambda: progress(tmp_path, "t1", 1).get("first_step") == stopped
+                            and progress(tmp_path, "t1", 1).get("step", 0) > stopped + 2, 60, "the ranks running again")
                 assert progress(tmp_path, "t1", 1)["step"] < steps - 100, "the run nearly ended before the fault"
                 os.replace(ckpt, tmp_path / "lost")      # the volume is lost (at once: ranks are writing)...
                 with contextlib.suppress(ProcessLookupError):   # ...and a rank with it (if the loss did not end it)

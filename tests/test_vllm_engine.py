@@ -40,7 +40,7 @@ async def test_vllm_serves_reloads_in_place_and_never_serves_what_fails_its_chec
         versions[v] = (d, golden_mod.record(d))
     dirs = {v: store_version(tmp_path, d, "llama", v, keys["private"], serving={"golden": g})
             for v, (d, g) in versions.items()}
-    engine = VllmEngine(tmp_path / "vllm", python=vllm_python)
+    engine = VllmEngine(tmp_path / "vllm", python=vllm_python, optimization_level=0)   # -O0: no torch.compile
     ms = ModelServer("h1", engine=AutoEngine(hf=engine), store_root=store_root(tmp_path), admin_token="adm")
     r1, ms_addr = await serve_app(server_app(ms))
     router = Router(poll_interval=0.1, admin_token="adm")
@@ -149,11 +149,13 @@ async def test_an_engine_that_cannot_start_fails_the_load_with_its_last_words(tm
 
 
 async def test_each_architecture_rolls_out_into_vllm_and_answers_the_openai_client(tmp_path, seaweed, keys,
-                                                                                   hf_checkpoints, vllm_python):
+                                                                                   hf_checkpoints, vllm_python, temporal):
     """Publish → RolloutWorkflow on the dev server → peerd → a vLLM server on the host, ready once it
     reproduced the golden prompts → the router → the official client gets the golden completions."""
     from weightcast.stack.embedded import EmbeddedStack
-    stack = await EmbeddedStack(tmp_path / "stack", keys["pub_path"], ["a"], s3=seaweed, engine="vllm").start()
+    stack = await EmbeddedStack(tmp_path / "stack", keys["pub_path"], ["a"], s3=seaweed,
+                                **temporal.stack_args(), engine="vllm",
+                                vllm_optimization_level=0).start()
     engine = stack.model_servers["a"].engine.hf
     assert isinstance(engine, VllmEngine) and engine.python == vllm_python
     client = openai.AsyncOpenAI(base_url=f"{stack.router_addr}/v1", api_key="none", max_retries=0)

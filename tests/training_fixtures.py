@@ -17,12 +17,12 @@ async def hosts(env, root: Path, ids, s3_env: dict | None = None, fleet=None,
     target = env.client.service_client.config.target_host
 
     def peerd(i: str) -> list[str]:             # the fleet's stores are root/<id>/store too
-        return ["--peerd", fleet.procs[i].addr, "--token", TOKEN] if fleet else []
+        return ["--peerd", fleet.procs[i].addr] if fleet else []
     procs = {i: ModuleProc(f"host-worker {i}", "workers.host_worker", root / i,
-                           ["--id", i, "--temporal", target, "--store", str(root / i / "store"),
+                           ["--id", i, "--temporal", target, "--namespace", env.client.namespace, "--store", str(root / i / "store"),
                             "--train-dir", str(root / i / "train"), "--heartbeat-every", "0.5", *peerd(i),
                             *(["--metrics-port", str(metrics[i])] if metrics else [])],
-                           env=s3_env or {}).launch()
+                           env={**(s3_env or {}), "WEIGHTCAST_TOKEN": TOKEN}).launch()
              for i in ids}
     for p in procs.values():
         await asyncio.to_thread(p.wait_ready)

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 from pathlib import Path
 
@@ -11,6 +10,7 @@ from temporalio.client import Client
 from temporalio.worker import Worker
 
 from activities.control import ControlActivities
+from lib.secret_input import ADMIN_TOKEN, add_secret_file_arg, read_secret
 from workflows.host_batch import HostBatchWorkflow
 from workflows.preflight import PreflightWorkflow
 from workflows.rollback import RollbackWorkflow
@@ -41,14 +41,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--temporal", default="127.0.0.1:7233")
     ap.add_argument("--namespace", default="default")
     ap.add_argument("--trusted-key", type=Path, action="append", required=True)
-    ap.add_argument("--admin-token", default=os.environ.get("WEIGHTCAST_ADMIN_TOKEN", ""),
-                    help="the router's admin token (default $WEIGHTCAST_ADMIN_TOKEN)")
+    add_secret_file_arg(ap, ADMIN_TOKEN, "router's admin token")
     return ap
 
 
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
-    asyncio.run(run(a.temporal, a.namespace, a.trusted_key, a.admin_token))
+    asyncio.run(run(a.temporal, a.namespace, a.trusted_key, read_secret(a, ADMIN_TOKEN)))
     return 0
 
 

@@ -13,7 +13,8 @@ from temporalio.client import Client
 from temporalio.worker import Worker
 
 from activities.host import HostActivities
-from activities.training import TrainingActivities
+from activities.training import TrainingActivities, training_modules
+from lib.secret_input import ADMIN_TOKEN, CLUSTER_TOKEN, add_secret_file_arg, read_secret
 from workers.inflight import InFlight
 from workers.stop_signal import stop_requested
 from workflows.types import host_queue
@@ -46,9 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--temporal", default="127.0.0.1:7233")
     ap.add_argument("--namespace", default="default")
     ap.add_argument("--peerd", default="http://127.0.0.1:7700")
-    ap.add_argument("--token", default=os.environ.get("WEIGHTCAST_TOKEN", ""), help="peerd's cluster token")
-    ap.add_argument("--admin-token", default=os.environ.get("WEIGHTCAST_ADMIN_TOKEN", ""),
-                    help="the model server's and router's admin token (load, unload, permits)")
+    add_secret_file_arg(ap, CLUSTER_TOKEN, "peerd's cluster token")
+    add_secret_file_arg(ap, ADMIN_TOKEN, "model server's and router's admin token (load, unload, permits)")
     ap.add_argument("--store", type=Path, required=True, help="the same --store as this host's peerd")
     ap.add_argument("--model-server", default="http://127.0.0.1:8100")
     ap.add_argument("--heartbeat-every", type=float, default=HEARTBEAT_EVERY_S,
@@ -82,11 +82,14 @@ def main(argv=None) -> int:
             start_http_server(a.metrics_port, addr="127.0.0.1" if a.advertise_host == "127.0.0.1" else "0.0.0.0",
                               registry=registry)
         await inflight.release_orphans(client)        # before polling: what a crashed predecessor was running
-        async with build(client, a.id, a.peerd, a.token, a.store, a.model_server, a.admin_token, a.heartbeat_every,
+        async with build(client, a.id, a.peerd, read_secret(a, CLUSTER_TOKEN), a.store, a.model_server,
+                         read_secret(a, ADMIN_TOKEN), a.heartbeat_every,
                          a.train_dir, a.advertise_host, inflight, registry):
+            preload = asyncio.create_task(training_modules())     # in the background: polling already
             if a.ready_file:
                 a.ready_file.write_text(json.dumps({"id": a.id, "task_queue": host_queue(a.id), "pid": os.getpid()}))
             await stop_requested()
+            preload.cancel()
     asyncio.run(run())
     return 0
 

@@ -191,7 +191,7 @@ def register(sub) -> None:
                                 "are spares")
             p.add_argument("--checkpoint-dir", type=Path, required=True, help="a directory every host reaches (a shared volume), or with {host} in it each host's own disk "
                                 "('/nvme/ckpt/{host}'): every checkpoint is then replicated to the ranks' hosts "
-                                "through peerd's swarm (the host workers need --peerd, --token and --store)")
+                                "through peerd's swarm (the host workers need --peerd, --store and the cluster token)")
             p.add_argument("--checkpoint-every", type=int, default=10, help="steps between async checkpoints")
             p.add_argument("--checkpoint-every-s", type=float, default=0.0,
                            help="also checkpoint once this many seconds have passed since the last save "

@@ -21,11 +21,13 @@ from typing import TYPE_CHECKING, Literal
 from aiohttp import web
 
 from serving.router import Router, make_app as router_app
+from peerd.signing import load_public_key
 from serving.server import ModelServer, make_app as server_app, make_engine
+from serving.trust import ManifestTrust
 from weightcast.stack.module_proc import ModuleProc
 from weightcast.stack.peerd_proc import PeerdProc, fleet_args
 from weightcast.stack.ports import free_ports
-from lib.processes import describe_exit
+from lib.processes import describe_exit, stop_processes
 from weightcast.stack.seaweed import SeaweedS3
 from weightcast.stack.supervisor import Supervisor
 from weightcast.stack.temporal import TemporalDevServer
@@ -53,6 +55,8 @@ class EmbeddedStack:
     rate: float | None = None                # each host's up/down link, bytes/s (None: unlimited)
     ui: bool = False
     s3: SeaweedS3 | None = None              # reuse a running one (tests); else started here
+    temporal_server: TemporalDevServer | None = None   # reuse a running one (tests), in ``namespace``; else started here
+    namespace: str = "default"               # the Temporal namespace of the rollouts, workers and CLI
     token: str = field(default_factory=lambda: secrets.token_hex(16))          # cluster (peerd)
     admin_token: str = field(default_factory=lambda: secrets.token_hex(16))    # router admin, model-server loads
     temporal_port: int = 0                   # 0: a free port
@@ -61,6 +65,7 @@ class EmbeddedStack:
     supervise: bool = False                  # restart dead parts with back-off (dev up); fault tests keep it off
     max_versions: int = 4                    # per model server: two models, each with a new and a previous version
     engine: Literal["transformers", "vllm"] = "transformers"    # what runs Hugging Face checkpoints on each host
+    vllm_optimization_level: int | None = None  # vLLM's -O level (None: vLLM's default; 0: fastest start)
     net: "Topology | None" = None            # hosts on a kernel network, one namespace each (the module docstring)
 
     async def start(self) -> "EmbeddedStack":
@@ -75,21 +80,26 @@ class EmbeddedStack:
             s3 = SeaweedS3(self.root / "s3") if net is None else \
                 SeaweedS3(self.root / "s3", ip=net.origin.addr, prefix=tuple(net.origin.run()))
             self.s3 = await asyncio.to_thread(s3.start)
-        self.temporal_port = self.temporal_port or free_ports(1)[0]
-        if self.ui:
-            self.ui_port = self.ui_port or free_ports(1)[0]
-        self.temporal = TemporalDevServer(self.temporal_port, self.root / "temporal.db", self.root / "temporal.log",
-                                          self.ui_port or None, **({"ip": net.controller.addr,
-                                                                    "prefix": tuple(net.controller.run())} if net else {}))
-        self.client = await self.start_temporal()
+        self._own_temporal = self.temporal_server is None
+        if self._own_temporal:
+            self.temporal_port = self.temporal_port or free_ports(1)[0]
+            if self.ui:
+                self.ui_port = self.ui_port or free_ports(1)[0]
+            self.temporal = TemporalDevServer(self.temporal_port, self.root / "temporal.db", self.root / "temporal.log",
+                                              self.ui_port or None, **({"ip": net.controller.addr,
+                                                                        "prefix": tuple(net.controller.run())} if net else {}))
+            self.temporal.launch()
+        else:
+            self.temporal, self.temporal_port = self.temporal_server, self.temporal_server.port
+        self.client = await self.temporal.namespace_client(self.namespace)
         ports = dict(zip(self.host_ids, free_ports(len(self.host_ids))))
         place = {i: net.hosts[k] for k, i in enumerate(self.host_ids)} if net else {}
         addr = {i: h.addr for i, h in place.items()} or None
         rate = None if net else self.rate                   # on a kernel network the links set the pace
         self.peerd = {i: PeerdProc(i, ports[i], self.root / i / "store",
-                                   fleet_args(i, ports, token=self.token, trusted_key=self.trusted_key, rate=rate,
+                                   fleet_args(i, ports, trusted_key=self.trusted_key, rate=rate,
                                               origin_rate=rate / len(self.host_ids) if rate else None,
-                                              extra=["--dead-after", "2"], hosts=addr), env=self.s3.env(),
+                                              extra=["--dead-after", "2"], hosts=addr), env=self.s3.env(), token=self.token,
                                    **({"host": place[i].addr, "prefix": place[i].run()} if net else {}))
                       for i in self.host_ids}
         for p in self.peerd.values():
@@ -109,20 +119,27 @@ class EmbeddedStack:
                 self.model_server_procs[i] = ModuleProc(
                     f"model-server {i}", "serving.server", self.root / i,
                     ["--id", i, "--port", str(server_ports[i]), "--listen", place[i].addr, "--engine", self.engine,
-                     "--store", str(self.peerd[i].store), "--max-versions", str(self.max_versions)],
+                     "--store", str(self.peerd[i].store), "--max-versions", str(self.max_versions),
+                     "--trusted-key", str(self.trusted_key),
+                     *(["--vllm-optimization-level", str(self.vllm_optimization_level)]
+                       if self.vllm_optimization_level is not None else [])],
                     env={"WEIGHTCAST_ADMIN_TOKEN": self.admin_token}, prefix=place[i].run()).launch()
             else:
-                self.model_servers[i] = ModelServer(i, engine=make_engine(self.engine, self.root / i / "vllm"),
+                self.model_servers[i] = ModelServer(i, engine=make_engine(self.engine, self.root / i / "vllm",
+                                                                          vllm_optimization_level=self.vllm_optimization_level),
                                                     store_root=self.peerd[i].store, admin_token=self.admin_token,
+                                                    trust=ManifestTrust((load_public_key(self.trusted_key),)),
                                                     max_versions=self.max_versions)
                 r, server = await serve_app(server_app(self.model_servers[i]))
                 self.runners.append(r)
             self.hosts.append(HostSpec(i, model_server=server))
             self.host_workers[i] = ModuleProc(
                 f"host-worker {i}", "workers.host_worker", self.root / i,
-                ["--id", i, "--temporal", self.temporal_addr, "--peerd", self.peerd[i].addr, "--token", self.token,
+                ["--id", i, "--temporal", self.temporal_addr, "--namespace", self.namespace,
+                 "--peerd", self.peerd[i].addr,
                  "--store", str(self.peerd[i].store), "--model-server", server],
-                env={"WEIGHTCAST_ADMIN_TOKEN": self.admin_token}, prefix=place[i].run() if net else []).launch()
+                env={"WEIGHTCAST_ADMIN_TOKEN": self.admin_token, "WEIGHTCAST_TOKEN": self.token},
+                prefix=place[i].run() if net else []).launch()
         for p in [*self.peerd.values(), *self.model_server_procs.values(), *self.host_workers.values()]:
             await asyncio.to_thread(p.wait_ready)
         env = self.s3.env()
@@ -138,7 +155,9 @@ class EmbeddedStack:
         for i in self.host_ids:
             for name, proc in ((f"peerd {i}", self.peerd[i]), (f"host worker {i}", self.host_workers[i])):
                 self.supervisor.add(name, _running(proc), _restarted(proc), _ended(proc))
-        self.supervisor.add("the Temporal server", self._temporal_alive, self._restart_temporal, _ended(self.temporal))
+        if self._own_temporal:
+            self.supervisor.add("the Temporal server", self._temporal_alive, self._restart_temporal,
+                                _ended(self.temporal))
         if self._own_s3:
             self.supervisor.add("seaweedfs", _running(self.s3), _restarted(self.s3), _ended(self.s3))
         self.supervisor.start()
@@ -165,10 +184,17 @@ class EmbeddedStack:
     async def start_temporal(self):
         """(Re)start the dev server on the same port with the same database: rollouts carry on. Its
         output goes to ``<root>/temporal.log``. Returns a client of it."""
+        self._owns_temporal()
         self.temporal.launch()
-        return await self.temporal.wait_ready()
+        return await self.temporal.namespace_client(self.namespace)
+
+    def _owns_temporal(self) -> None:
+        if not self._own_temporal:
+            raise RuntimeError("this stack shares a Temporal server it does not own; give it one of its own to "
+                               "stop and restart it")
 
     async def stop_temporal(self) -> None:
+        self._owns_temporal()
         await asyncio.to_thread(self.temporal.stop)
 
     async def restart_host_worker(self, host: str) -> None:
@@ -180,22 +206,22 @@ class EmbeddedStack:
     def ui_url(self, workflow_id: str) -> str | None:
         if not self.ui:
             return None
-        return f"http://127.0.0.1:{self.ui_port}/namespaces/default/workflows/{workflow_id}"
+        return f"http://127.0.0.1:{self.ui_port}/namespaces/{self.namespace}/workflows/{workflow_id}"
 
     async def stop(self) -> None:
         """Tear everything down; each step is bounded so a wedged part cannot hang the caller."""
         await self.supervisor.stop()                # nothing is restarted while it goes down
-        for p in self.host_workers.values():
-            await asyncio.to_thread(p.stop)
+        await asyncio.to_thread(stop_processes, [p.proc for p in self.host_workers.values()])
         await _bounded(self.control_worker.shutdown(), "control worker shutdown")
         for r in self.runners:
             await _bounded(r.cleanup(), "HTTP server cleanup")
         for ms in self.model_servers.values():       # engine processes (vLLM servers), whatever cleanup managed
             if hasattr(ms.engine, "stop_all"):
                 await asyncio.to_thread(ms.engine.stop_all)
-        for p in [*self.model_server_procs.values(), *self.peerd.values()]:
-            await asyncio.to_thread(p.stop)
-        await _bounded(self.stop_temporal(), "Temporal dev server shutdown")
+        await asyncio.to_thread(stop_processes, [p.proc for p in [*self.model_server_procs.values(),
+                                                                  *self.peerd.values()]])
+        if self._own_temporal:
+            await _bounded(self.stop_temporal(), "Temporal dev server shutdown")
         if self._own_s3:
             await asyncio.to_thread(self.s3.stop)
 
