@@ -7,9 +7,7 @@ import gzip
 import os
 from pathlib import Path
 
-from temporalio.worker import Replayer
-
-from workers.control_worker import WORKFLOWS
+from workers.control_worker import replayer
 
 HISTORIES = Path(__file__).parent / "histories"
 
@@ -17,7 +15,7 @@ HISTORIES = Path(__file__).parent / "histories"
 async def replays(handle, name: str = "", compress: bool = False) -> None:
     """The history of ``handle`` replays; recorded as ``<name or workflow id>.json[.gz]`` when asked."""
     hist = await handle.fetch_history()
-    result = await Replayer(workflows=WORKFLOWS).replay_workflow(hist, raise_on_replay_failure=False)
+    result = await replayer().replay_workflow(hist, raise_on_replay_failure=False)
     assert result.replay_failure is None, result.replay_failure
     if os.environ.get("WEIGHTCAST_RECORD_HISTORIES"):
         HISTORIES.mkdir(exist_ok=True)

@@ -2,16 +2,14 @@
 missing or wrong token with a 401, except the routes docs/trust.md lists as open (inference and
 read-only views on a model server, which sits behind the router). A new route must be placed in one
 list or the other, and a route whose check is removed fails here."""
-import http.client
 from unittest.mock import MagicMock
-from urllib.parse import urlparse
 
 from peerd.server import make_app as peerd_app
 from serving.router import Router, make_app as router_app
 from serving.server import ModelServer, make_app as server_app
 from tests.fleet import Fleet
 from tests.serving_fixtures import store_root
-from tests.test_fuzz_http import AppThread
+from tests.http_probe import AppThread, request
 
 VID = "ab" * 32
 FILL = {"vid": VID, "index": "0", "model": "tiny", "host": "h1"}
@@ -33,17 +31,11 @@ def guarded_routes(app) -> list[tuple[str, str]]:
 
 
 def status(addr: str, method: str, path: str, auth: str | None) -> int:
-    u = urlparse(addr)
-    c = http.client.HTTPConnection(u.hostname, u.port, timeout=10)
-    try:
-        headers = {"Authorization": auth} if auth else {}
-        # a websocket route checks its token at the upgrade
-        headers.update({"Connection": "Upgrade", "Upgrade": "websocket", "Sec-WebSocket-Version": "13",
-                        "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ=="} if path.endswith("/have") else {})
-        c.request(method, path, body=b"{}" if method in ("POST", "PUT") else None, headers=headers)
-        return c.getresponse().status
-    finally:
-        c.close()
+    headers = {"Authorization": auth} if auth else {}
+    # a websocket route checks its token at the upgrade
+    headers.update({"Connection": "Upgrade", "Upgrade": "websocket", "Sec-WebSocket-Version": "13",
+                    "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ=="} if path.endswith("/have") else {})
+    return request(addr, method, path, b"{}" if method in ("POST", "PUT") else None, headers)[0]
 
 
 def refusals(addr: str, routes) -> dict:

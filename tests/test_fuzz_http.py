@@ -1,22 +1,17 @@
 """A standing, bounded fuzz test of everything a client can send: peerd's API (a real process), the
 model server and the router (real HTTP on loopback), and the manifest parser. For any input: no 5xx,
 the server stays healthy, its memory stays bounded, and the parser raises only ManifestError."""
-import asyncio
-import http.client
 import json
-import os
-import threading
-from urllib.parse import urlparse
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from peerd import manifest as mf
 from serving.router import Router, make_app as router_app
 from serving.server import ModelServer, make_app as server_app
 from tests.fleet import TOKEN, Fleet
+from tests.http_probe import SETTINGS, AppThread, request
 from tests.serving_fixtures import store_root, store_version, verified_version
-from weightcast.stack.embedded import serve_app
 
 ADMIN = "fuzz-admin"
 VID = "ab" * 32
@@ -25,8 +20,6 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.
                     lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=12), inner, max_size=5),
                     max_leaves=25)
 SEGMENT = st.sampled_from(["v1", VID, "0", "-1", "0.0", "%00", "..", "a" * 300, "tiny", "h1", "%ff", "%C3%BC"])
-SETTINGS = settings(max_examples=int(os.environ.get("WEIGHTCAST_FUZZ_EXAMPLES", "120")), deadline=None,
-                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 
 # JSON that Python's parser takes but nothing can use: a 5,000-digit integer (int() refuses past 4,300
@@ -52,36 +45,12 @@ def unholdable_json_is_400(addr: str, routes, token: str, segs=("tiny", "v1")) -
 
 
 def send(addr: str, method: str, path: str, body: bytes, headers: dict) -> int:
-    u = urlparse(addr)
-    c = http.client.HTTPConnection(u.hostname, u.port, timeout=10)
-    try:
-        c.request(method, path, body=body if method != "GET" else None, headers=headers)
-        return c.getresponse().status
-    finally:
-        c.close()
+    return request(addr, method, path, body if method != "GET" else None, headers)[0]
 
 
 def rss_kb(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
-
-
-class AppThread:
-    """aiohttp apps on their own event loop in a thread, so a synchronous fuzz loop can call them."""
-
-    def __init__(self, *apps):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        started = [asyncio.run_coroutine_threadsafe(serve_app(a), self.loop).result(30) for a in apps]
-        self.runners = [r for r, _ in started]
-        self.addrs = [a for _, a in started]
-
-    def stop(self):
-        for r in self.runners:
-            asyncio.run_coroutine_threadsafe(r.cleanup(), self.loop).result(30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
 
 
 PEERD_ROUTES = [("POST", "/v1/jobs"), ("POST", "/v1/gossip"), ("GET", "/v1/jobs/{}"), ("GET", "/v1/status"),

@@ -1,16 +1,14 @@
 """Properties of a real peerd under generated input: any Range on a chunk GET answers exactly the bytes
 HTTP's byte-range rules name, or a 416; no run of gossip grows membership past --max-members."""
-import http.client
 import json
 import random
 import re
-from urllib.parse import urlparse
 
 from hypothesis import given, strategies as st
 
 from peerd import manifest as mf
 from tests.fleet import TOKEN, Fleet, publish
-from tests.test_fuzz_http import SETTINGS
+from tests.http_probe import SETTINGS, request
 from weightcast.checkpoint_random import write_random_checkpoint
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -34,17 +32,6 @@ def expected(rng: str, size: int) -> tuple[int, int] | None:
     return (start, end) if start <= end else None
 
 
-def get(addr: str, path: str, headers: dict) -> tuple[int, bytes, dict]:
-    u = urlparse(addr)
-    c = http.client.HTTPConnection(u.hostname, u.port, timeout=10)
-    try:
-        c.request("GET", path, headers=headers)
-        r = c.getresponse()
-        return r.status, r.read(), dict(r.getheaders())
-    finally:
-        c.close()
-
-
 async def test_chunk_ranges_answer_exactly_the_named_bytes_or_416(tmp_path, seaweed, keys):
     ckpt = write_random_checkpoint(tmp_path / "ckpt", 6 * CHUNK + 100, files=2, seed=11)
     m = mf.build_from_directory(ckpt, "tiny", "vr", chunk_size=CHUNK)
@@ -61,7 +48,8 @@ async def test_chunk_ranges_answer_exactly_the_named_bytes_or_416(tmp_path, seaw
         @given(st.sampled_from(range(len(chunks))), RANGE)
         def probe(i, rng):
             ch, data = chunks[i]
-            status, body, headers = get(addr, f"/v1/versions/{m.digest}/chunks/{ch.index}", {**AUTH, "Range": rng})
+            status, body, headers = request(addr, "GET", f"/v1/versions/{m.digest}/chunks/{ch.index}",
+                                            headers={**AUTH, "Range": rng})
             sent = rng.strip(" \t")             # HTTP strips a header value's surrounding whitespace
             want = expected(sent, ch.size) if sent else (0, ch.size - 1)
             if want is None:
@@ -90,18 +78,12 @@ def test_gossip_never_grows_membership_past_max_members(tmp_path, seaweed, keys)
                           "addr": f"http://10.9.{rnd.randrange(250)}.{rnd.randrange(250)}:7700"} for _ in range(n)]
                 sent.update(p["id"] for p in peers)
                 body = json.dumps({"from": peers[0], "versions": {}, "peers": peers[1:]}).encode()
-                u = urlparse(addr)
-                c = http.client.HTTPConnection(u.hostname, u.port, timeout=10)
-                try:
-                    c.request("POST", "/v1/gossip", body=body, headers={**AUTH, "Content-Type": "application/json"})
-                    assert c.getresponse().status < 300
-                finally:
-                    c.close()
-                status, raw, _ = get(addr, "/v1/status", AUTH)
+                assert request(addr, "POST", "/v1/gossip", body, {**AUTH, "Content-Type": "application/json"})[0] < 300
+                status, raw, _ = request(addr, "GET", "/v1/status", headers=AUTH)
                 members = json.loads(raw)["members"]
                 assert status == 200 and len(members) <= MAX_MEMBERS, len(members)
         probe()
         assert len(sent) > 5 * MAX_MEMBERS          # far more were offered than it may keep
-        assert get(addr, "/healthz", {})[0] == 200
+        assert request(addr, "GET", "/healthz")[0] == 200
     finally:
         fleet.stop()

@@ -6,11 +6,10 @@ tests/test_rollout_controls.py tests/test_rollout_analysis.py tests/test_rollout
 (train-golden.json, a rank killed and recovered, checkpoint-now, pause and resume, was
 recorded by running those steps against the dev server once)."""
 import pytest
-from temporalio.worker import Replayer
 
 from tests.golden import HISTORIES as GOLDEN
 from weightcast.history_file import read_history
-from workers.control_worker import WORKFLOWS
+from workers.control_worker import replayer
 
 HISTORIES = sorted([*GOLDEN.glob("*.json"), *GOLDEN.glob("*.json.gz")])
 
@@ -19,7 +18,7 @@ HISTORIES = sorted([*GOLDEN.glob("*.json"), *GOLDEN.glob("*.json.gz")])
 @pytest.mark.parametrize("path", HISTORIES, ids=[p.name.split(".")[0] for p in HISTORIES])
 async def test_golden_history_replays(path):
     history = read_history(path)
-    result = await Replayer(workflows=WORKFLOWS).replay_workflow(history, raise_on_replay_failure=False)
+    result = await replayer().replay_workflow(history, raise_on_replay_failure=False)
     assert result.replay_failure is None, f"{path.name} no longer replays: {result.replay_failure}"
 
 

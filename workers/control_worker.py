@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from temporalio.client import Client
-from temporalio.worker import Worker
+from temporalio.worker import Replayer, Worker
 
 from activities.control import ControlActivities
 from lib.secret_input import ADMIN_TOKEN, add_secret_file_arg, read_secret
@@ -19,6 +19,13 @@ from workflows.training import TrainingWorkflow
 from workflows.types import CONTROL_QUEUE
 
 WORKFLOWS = [RolloutWorkflow, HostBatchWorkflow, PreflightWorkflow, RollbackWorkflow, TrainingWorkflow]
+
+
+def replayer() -> Replayer:
+    """Replays histories against every workflow this worker runs. Without the SDK's 2 s deadlock timer:
+    a replay checks determinism, and on a busy machine (an on-call laptop, a loaded CI runner) one
+    slow activation is not a deadlock."""
+    return Replayer(workflows=WORKFLOWS, debug_mode=True)
 
 
 def build(client: Client, trusted_keys: list[Path], s3_credentials: tuple[str, str] | None = None,

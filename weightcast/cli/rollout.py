@@ -59,12 +59,10 @@ def cmd_rollout(a) -> int:
     from workflows.rollout import RolloutWorkflow
 
     if a.sub == "replay":
-        from temporalio.worker import Replayer
-
         from weightcast.history_file import read_history
-        from workers.control_worker import WORKFLOWS
+        from workers.control_worker import replayer
         hist = read_history(a.history)
-        res = asyncio.run(Replayer(workflows=WORKFLOWS).replay_workflow(hist, raise_on_replay_failure=False))
+        res = asyncio.run(replayer().replay_workflow(hist, raise_on_replay_failure=False))
         ok = res.replay_failure is None
         print(json.dumps({"history": str(a.history), "replayed": ok,
                           "failure": None if ok else str(res.replay_failure)}))
