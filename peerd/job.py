@@ -17,7 +17,7 @@ from peerd.choice import origin_slots
 from peerd.chunk_fetch import BadResponse, PeerStatus, WrongLength
 from peerd.job_host import JobHost
 from peerd.manifest import Manifest
-from peerd.origin import OriginError, OriginSpec, S3Origin
+from peerd.origin import OriginError, OriginMissing, OriginSpec, S3Origin
 from peerd.policy import ORIGIN, Cancel, Request, SwarmPolicy
 from peerd.store import ChunkDigestMismatch, DiskFullError, VersionStore
 from peerd.wire import WireError, unpack_bits
@@ -228,7 +228,7 @@ class FetchJob:
         c = self.m.chunks[r.chunk]
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        reason = None
+        reason = label = None
         buf = None
         try:
             data = buf = self.buffers.take(c.size)
@@ -250,14 +250,14 @@ class FetchJob:
             reason = "corrupt"
             if r.source == ORIGIN:
                 log.error("origin bytes do not match the signed manifest: %s", e)
-                reason = "error"
+                reason, label = "error", "origin_corrupt"     # retried later; its own count for operators
             else:
                 log.warning("quarantining peer that served a bad chunk",
                             extra={"peer": r.source, "chunk": r.chunk, "error": str(e)})
                 self.host.note_quarantine(r.source, str(e))
         except PeerBusy:
             reason = "busy"
-        except PeerMissing:
+        except (PeerMissing, OriginMissing):
             reason = "missing"
         except DiskFullError as e:
             self._fatal = e      # the swarm loop raises it: the job fails as disk_full
@@ -272,7 +272,7 @@ class FetchJob:
             self._wake.set()
         now = loop.time()
         if reason is not None:
-            self.host.metrics.failures.labels(reason).inc()
+            self.host.metrics.failures.labels(label or reason).inc()
             self._cancel(self.policy.chunk_failed(r.chunk, r.source, reason, now))
             return
         src = "origin" if r.source == ORIGIN else "peer"

@@ -41,6 +41,7 @@ class PolicyConfig:
     backoff_s: float = 2.0         # first back-off for a slow or failing peer; doubles
     max_backoff_s: float = 30.0
     busy_backoff_s: float = 0.05   # a peer at its upload limit is retried soon
+    origin_missing_backoff_s: float = 0.25   # the origin lacks the file: a publish still uploading it, retried soon
     max_errors: int = 3            # consecutive errors before a peer is declared dead
     rack_grace_s: float = 2.0      # a chunk's backup importer in each rack waits this long before pulling cross-rack
     rack_rescue_s: float = 10.0    # after this 2, 4, 8... rack members may pull it across racks, doubling every rack_grace_s
@@ -275,7 +276,8 @@ class SwarmPolicy:
                 self.inflight_mask[chunk] = False
         self._dirty = True
         if source == ORIGIN:
-            self.origin_backoff_until = now + self.config.backoff_s
+            wait = self.config.origin_missing_backoff_s if reason == "missing" else self.config.backoff_s
+            self.origin_backoff_until = now + wait
             return []
         p = self.peers.get(source)
         if p is None:

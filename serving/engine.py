@@ -11,6 +11,7 @@ from typing import NamedTuple, Protocol
 import torch
 
 from serving.loader import LoadResult, load_model, pick_device
+from serving.model import ModelConfig, TinyTransformer
 
 
 class VersionKey(NamedTuple):
@@ -42,6 +43,10 @@ class ReferenceEngine:
     def __init__(self, device: torch.device | None = None):
         self._device = device or pick_device()
         self.models: dict[VersionKey, LoadResult] = {}
+        # the first model a process builds costs torch about a second of one-time set-up: pay it at
+        # start, not inside the first load of a rollout
+        with torch.device("meta"):
+            TinyTransformer(ModelConfig())
 
     def load(self, key: VersionKey, model_dir: Path, memory_budget: int | None, in_use: int) -> int:
         res = load_model(model_dir, key.version, self._device, memory_budget, in_use, model=key.model)

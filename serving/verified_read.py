@@ -114,17 +114,16 @@ HUGE = 2 << 20
 
 
 def _buffer(size: int):
-    """Private memory for a file's verified bytes. Large ones are anonymous mappings asking for
-    transparent huge pages: on a VM, faulting in fresh 4 KiB pages costs more than reading and hashing
-    the bytes into them (measured: 512 MiB written at 1.4 GB/s into a bytearray, 6 GB/s into huge
-    pages). Never a mapping of the file itself: the tensors must stay the bytes that were verified,
-    whatever later happens to the file."""
+    """Private memory for a file's verified bytes. Large ones are anonymous mappings the kernel backs
+    with huge pages when it has them free (transparent huge pages), and with small pages otherwise.
+    Neither MADV_HUGEPAGE nor MAP_POPULATE: with the kernel's usual ``defrag=madvise`` the first makes
+    every fault wait for memory compaction once free huge pages run out, as they do while a whole
+    checkpoint's buffers stay alive, and the second faults a whole file in under the process's
+    memory lock, which serialises concurrent loads in one process. Never a mapping of the file
+    itself: the tensors must stay the bytes that were verified, whatever later happens to the file."""
     if size < HUGE:
         return bytearray(size)
-    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        buf.madvise(mmap.MADV_HUGEPAGE)
-    return buf
+    return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
 
 def safetensors_views(buf: bytearray, name: str) -> dict[str, torch.Tensor]:

@@ -123,6 +123,19 @@ def test_origin_only_for_own_stripe_and_only_when_no_peer_has_it():
     assert Request(0, "s2") in reqs
 
 
+def test_a_file_not_yet_at_the_origin_is_asked_again_soon_and_a_failing_origin_later():
+    # a publish uploads while the rollout runs: a missing object is retried after a quarter second,
+    # an origin that errors after two
+    cfg = PolicyConfig(random_first=0, max_inflight=4, origin_inflight=1)
+    for reason, retry_at in (("missing", 0.25), ("error", 2.0)):
+        p = pol(4, seeders=("me",), config=cfg)
+        [r] = p.next_requests(0)
+        assert r.source == ORIGIN
+        p.chunk_failed(r.chunk, ORIGIN, reason, 10.0)
+        assert p.next_requests(10.0 + retry_at - 0.01) == []
+        assert [x.source for x in p.next_requests(10.0 + retry_at)] == [ORIGIN]
+
+
 def test_a_seeder_behind_on_its_stripe_reads_more_of_it_at_once():
     seeders = tuple(f"s{i}" for i in range(7)) + ("me",)
     p = pol(64, seeders=seeders, config=PolicyConfig(random_first=0, origin_inflight=1, origin_catch_up=3))

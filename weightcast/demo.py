@@ -27,6 +27,7 @@ from pathlib import Path
 
 import aiohttp
 import torch
+from temporalio.service import RPCError, RPCStatusCode
 
 from peerd.client import PeerdClient, PeerdError
 from peerd.origin import OriginSpec
@@ -36,6 +37,7 @@ from serving.model import ModelConfig, init_model
 from weightcast.demo_hf import roll_out_llama
 from weightcast.demo_training import PrologueFailed, serve_and_ask, train_then_roll_out
 from weightcast.publish import PublishRequest, publish_and_start
+from weightcast.rollouts import rollout_id
 from weightcast.stack.embedded import EmbeddedStack
 from weightcast.stack.seaweed import ACCESS_KEY, SECRET_KEY
 from workflows.rollout import RolloutWorkflow
@@ -50,11 +52,15 @@ class DemoFailed(RuntimeError):
 
 async def run_demo(hosts: int, size: int, rate: float, progress=None, keep_ui_s: float = 0.0, ui: bool = True,
                    step_wait_s: float = 0.5, deadline_s: float | None = None, hold=None, train_steps: int = 0,
-                   say=None, engine: str = "transformers") -> dict:
+                   say=None, engine: str = "transformers", before_publish=None, meter=None) -> dict:
     """``hold(result)``: awaited with the result before the stack is torn down, so the printed Temporal
     UI link and the CLI work against the live stack until it returns (the CLI waits for Enter).
     ``train_steps``: train a Llama that many steps first and roll it out (0: roll out a Llama built here).
-    ``engine``: what runs the Hugging Face Llama on the hosts (``transformers`` or ``vllm``)."""
+    ``engine``: what runs the Hugging Face Llama on the hosts (``transformers`` or ``vllm``).
+    ``before_publish(stack, req)``: awaited with the publish request before it runs; what it returns
+    goes into the result as ``before_publish`` (`bench rollout` measures the storage there).
+    ``meter()``: a reading taken when publishing starts and when the rollout ends; their difference
+    is the result's ``metered`` (`bench rollout` passes the stack's CPU seconds)."""
     if hosts < 2 and train_steps:
         raise DemoFailed("the training prologue runs two ranks on two hosts: give --hosts 2 or more, or --train-steps 0")
     work = Path(tempfile.mkdtemp(prefix="wc-demo-"))
@@ -81,30 +87,41 @@ async def run_demo(hosts: int, size: int, rate: float, progress=None, keep_ui_s:
         req = PublishRequest(src, "demo", version, work / "key.pem",
                              OriginSpec(stack.s3.endpoint, stack.s3.bucket, f"demo/{version}"),
                              chunk_size=1 << 20, access_key=ACCESS_KEY, secret_key=SECRET_KEY)
+        measured = await before_publish(stack, req) if before_publish else None
         loop = asyncio.get_running_loop()
-        t0 = loop.time()          # from `publish` (upload + sign + start) to every host serving
-        pub = await publish_and_start(stack.client, req, stack.hosts, router=stack.router_addr,
-                                      step_wait_s=step_wait_s)
-        reference = init_model(mcfg, seed)
-        handle = stack.client.get_workflow_handle(pub["workflow_id"])
+        m0 = meter() if meter else None
+        t0 = loop.time()          # from `publish` (hash + sign + start, then the upload) to every host serving
+        publishing = asyncio.ensure_future(publish_and_start(stack.client, req, stack.hosts, router=stack.router_addr,
+                                                             step_wait_s=step_wait_s))
+        wid = rollout_id("demo", version)
+        while not publishing.done() and not await _started(stack, wid):
+            await asyncio.wait([publishing], timeout=0.05)
+        if publishing.done() and publishing.exception() is not None:
+            publishing.result()                  # refused before its rollout started: raised here
+        handle = stack.client.get_workflow_handle(wid)
         print(f"rollout {handle.id} started; Temporal UI: {stack.ui_url(handle.id)}", file=sys.stderr)
-        t_started = loop.time()
         result_task = asyncio.ensure_future(handle.result())
+        pub = None
         deadline = t0 + (deadline_s or 120 + 10 * size / rate)      # never wait forever on a dead part
         while not result_task.done():
+            if pub is None and publishing.done():
+                pub = publishing.result()        # the upload has finished (or failed: raised here)
             st = await handle.query(RolloutWorkflow.status)
             if loop.time() > deadline:
                 result_task.cancel()
                 raise DemoFailed(json.dumps({"deadline_s": round(deadline - t0, 1), "phase": st.phase,
                                              "detail": st.detail, "hosts": st.hosts, "errors": st.errors,
                                              "dead": _dead_parts(stack)}))
-            if progress:
+            if progress and st.version_id:
                 ready = st.counts.get("ready", 0)
-                bytes_done = sum(p.get("bytes_done", 0) for p in await _peerd_jobs(stack, pub["version_id"]))
-                progress(loop.time() - t0, bytes_done + ready, pub["bytes"] * hosts + hosts, st.phase)
+                bytes_done = sum(p.get("bytes_done", 0) for p in await _peerd_jobs(stack, st.version_id))
+                progress(loop.time() - t0, bytes_done + ready, st.bytes_total + hosts, st.phase)
             await asyncio.wait([result_task], timeout=0.5)
         result = result_task.result()
         elapsed = loop.time() - t0
+        metered = meter() - m0 if meter else None
+        pub = pub or await publishing
+        reference = await asyncio.to_thread(init_model, mcfg, seed)
         jobs = [j for j in await _peerd_jobs(stack, pub["version_id"]) if j.get("finished")]   # answering hosts
         st = await handle.query(RolloutWorkflow.status)
         ids = [[1, 2, 3, 4, 5]]
@@ -124,7 +141,8 @@ async def run_demo(hosts: int, size: int, rate: float, progress=None, keep_ui_s:
             await asyncio.sleep(keep_ui_s)
         res = {"workflow_id": handle.id, "temporal_ui": stack.ui_url(handle.id), "temporal": stack.temporal_addr,
                "rollout_s": round(elapsed, 2),
-                "publish_s": round(t_started - t0, 2), "phase_seconds": st.phase_seconds,
+                "publish_s": pub["published_s"], "rollout_started_s": pub["rollout_started_s"],
+                "phase_seconds": st.phase_seconds, "before_publish": measured, "metered": metered,
                 "swarm_s": round(max(j["finished"] for j in jobs) - min(j["started"] for j in jobs), 2),
                 "bytes": pub["bytes"], "hosts_ready": result["ready"], "traffic": result["traffic"],
                 "inference": {"routed_host": answer.get("routed_host"), "model_version": answer.get("model_version"),
@@ -156,3 +174,13 @@ async def _peerd_jobs(stack: EmbeddedStack, vid: str) -> list[dict]:
         except (PeerdError, aiohttp.ClientError):
             out.append({})
     return out
+
+
+async def _started(stack: EmbeddedStack, wid: str) -> bool:
+    try:
+        await stack.client.get_workflow_handle(wid).describe()
+        return True
+    except RPCError as e:
+        if e.status != RPCStatusCode.NOT_FOUND:
+            raise
+        return False

@@ -29,10 +29,10 @@ def replayer() -> Replayer:
 
 
 def build(client: Client, trusted_keys: list[Path], s3_credentials: tuple[str, str] | None = None,
-          admin_token: str = "") -> Worker:
+          admin_token: str = "", activities: ControlActivities | None = None) -> Worker:
     """``s3_credentials`` (access key, secret) to read published manifests, default the AWS_* variables;
-    ``admin_token`` for the router's admin API."""
-    acts = ControlActivities(trusted_keys, s3_credentials, admin_token)
+    ``admin_token`` for the router's admin API. ``activities``: built (and warmed) by the caller."""
+    acts = activities or ControlActivities(trusted_keys, s3_credentials, admin_token)
     return Worker(client, task_queue=CONTROL_QUEUE, workflows=WORKFLOWS,
                   activities=[acts.check_manifest, acts.check_manifest_ref, acts.check_inventory, acts.set_traffic,
                               acts.preflight, acts.analyze_traffic])
@@ -40,7 +40,9 @@ def build(client: Client, trusted_keys: list[Path], s3_credentials: tuple[str, s
 
 async def run(address: str, namespace: str, trusted_keys: list[Path], admin_token: str) -> None:
     client = await Client.connect(address, namespace=namespace)
-    await build(client, trusted_keys, admin_token=admin_token).run()
+    acts = ControlActivities(trusted_keys, admin_token=admin_token)
+    await acts.warm()
+    await build(client, trusted_keys, activities=acts).run()
 
 
 def build_parser() -> argparse.ArgumentParser:

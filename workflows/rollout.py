@@ -435,7 +435,8 @@ class RolloutWorkflow:
                     await self._dwell(inp.step_wait_s)
         self._set_phase(Phase.DONE, f"{len(ready)} of {len(self.specs)} hosts ready on {inp.version}")
         return {"version_id": info.version_id, "ready": sorted(ready), "hosts": dict(self.hosts),
-                "errors": dict(self.errors), "traffic": dict(self.traffic), "peak_loads": self.peak_loading}
+                "errors": dict(self.errors), "traffic": dict(self.traffic), "peak_loads": self.peak_loading,
+                "phase_seconds": dict(self.phase_seconds)}      # in the history: where the rollout's time went
 
     @staticmethod
     def _by_reference(inp: RolloutInput, not_ready: list[str]) -> dict:

@@ -15,7 +15,7 @@ from weightcast.cli.common import HASH_HELP, connect, print_started, run_steerin
 
 
 def cmd_publish(a) -> int:
-    """Upload + sign + start the rollout, for CI/CD. Settings come from flags, or from `dev up`'s state."""
+    """Sign + start the rollout + upload, for CI/CD. Settings come from flags, or from `dev up`'s state."""
     from peerd.origin import OriginSpec
     from weightcast.publish import PublishRequest, hosts_from_file, publish_and_start
     dev = {}
@@ -41,7 +41,7 @@ def cmd_publish(a) -> int:
 
     async def go():
         client = await connect(a.temporal or dev.get("temporal") or "127.0.0.1:7233", a.namespace)
-        out = await publish_and_start(client, req, hosts, **rollout)
+        out = await publish_and_start(client, req, hosts, progress=publish_progress(), **rollout)
         print(json.dumps(out))
         if out.get("previous_outcome", "COMPLETED") != "COMPLETED":
             print(f"error: {out['workflow_id']} already ended {out['previous_outcome']}; a version is rolled out "
@@ -51,6 +51,22 @@ def cmd_publish(a) -> int:
             return await watch_rollout(client, out["workflow_id"])
         return 0
     return asyncio.run(go())
+
+
+def publish_progress():
+    """Publish's steps on stderr: signing, the rollout, the upload every 10 %, done."""
+    shown = [-1]
+
+    def say(event: str, facts: dict) -> None:
+        if event == "uploading":
+            tenth = 10 * facts["bytes_sent"] // max(facts["bytes"], 1)
+            if tenth == shown[0]:
+                return
+            shown[0] = tenth
+            print(f"publish: uploaded {facts['bytes_sent']} of {facts['bytes']} bytes", file=sys.stderr)
+            return
+        print(f"publish: {event} {json.dumps(facts)}", file=sys.stderr)
+    return say
 
 
 def cmd_rollout(a) -> int:
@@ -125,7 +141,7 @@ def cmd_rollout(a) -> int:
 
 def register(sub) -> None:
     """Add this area's subcommands to the `weightcast` parser."""
-    pb = sub.add_parser("publish", help="CI/CD: upload a checkpoint, sign its manifest, start its rollout (idempotent)")
+    pb = sub.add_parser("publish", help="CI/CD: sign a checkpoint's manifest, start its rollout, upload its bytes meanwhile (idempotent)")
     pb.add_argument("source", type=Path, help="the checkpoint directory")
     pb.add_argument("--model", required=True)
     pb.add_argument("--version", required=True)

@@ -31,6 +31,7 @@ from lib.processes import describe_exit, stop_processes
 from weightcast.stack.seaweed import SeaweedS3
 from weightcast.stack.supervisor import Supervisor
 from weightcast.stack.temporal import TemporalDevServer
+from activities.control import ControlActivities
 from workers import control_worker
 from workflows.types import HostSpec
 
@@ -143,9 +144,10 @@ class EmbeddedStack:
         for p in [*self.peerd.values(), *self.model_server_procs.values(), *self.host_workers.values()]:
             await asyncio.to_thread(p.wait_ready)
         env = self.s3.env()
-        self.control_worker = control_worker.build(self.client, [self.trusted_key],
-                                                   (env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"]),
-                                                   admin_token=self.admin_token)
+        acts = ControlActivities([self.trusted_key], (env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"]),
+                                 self.admin_token)
+        await acts.warm()
+        self.control_worker = control_worker.build(self.client, [self.trusted_key], activities=acts)
         self._control_task = asyncio.create_task(self.control_worker.run())
         if self.supervise:
             self._supervise()
