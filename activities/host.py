@@ -40,6 +40,32 @@ async def _heartbeating(aw, every: float = 1.0):
         task.cancel()
 
 
+class ReadAhead:
+    """Tells the model server which files peerd has verified whole, so it reads and hashes them ahead
+    of the load (serving/prepare.py). Only ever a head start: a model server that cannot take it is
+    logged, and the load reads everything itself."""
+
+    def __init__(self, server: str, admin: dict, model: str, version: str, vid: str, host: str):
+        self.server, self.admin, self.host = server, admin, host
+        self.body = {"model": model, "model_version": version, "version_id": vid}
+        self.told = 0
+        self.off = False
+
+    async def tell(self, files: int) -> None:
+        if self.off or files <= self.told:
+            return
+        self.told = files
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s, \
+                    s.post(f"{self.server}/v1/prepare", json={**self.body, "files": files}, headers=self.admin) as r:
+                if r.status != 200:
+                    self.off = True
+                    activity.logger.info("model server on %s takes no read-ahead (%s): %s", self.host, r.status,
+                                         (await r.text())[:300])
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            activity.logger.warning("could not tell the model server on %s to read ahead: %s", self.host, e)
+
+
 class HostActivities:
     def __init__(self, host_id: str, peerd_addr: str, token: str, store: Path, model_server: str,
                  admin_token: str = ""):
@@ -61,10 +87,12 @@ class HostActivities:
                 raise ApplicationError(f"{self.host_id}: {e.message}", type=f"Peerd{e.status}",
                                        non_retryable=e.status in (400, 401, 422, 507)) from None
             vid = st["version_id"]
+            ahead = ReadAhead(self.model_server, self.admin, st["model"], st["version"], vid, self.host_id)
             try:
                 while True:
                     st = await self._job(c, vid)
                     activity.heartbeat(progress_details(self.host_id, st))
+                    await ahead.tell(st.get("files_ready", 0))
                     if st["state"] == "complete":
                         break
                     if st["state"] in ("failed", "stopped"):

@@ -319,6 +319,7 @@ class FetchJob:
                 "state": self.state, "error": self.error,
                 "chunks_total": len(self.m.chunks), "chunks_done": self.vs.done_chunks,
                 "bytes_total": self.m.total_size, "bytes_done": done, "bytes_by_source": dict(self.bytes),
+                "files_total": len(self.m.files), "files_ready": self.vs.files_ready(),
                 "duplicate_bytes": self.duplicate_bytes,
                 "origin_reads": self.policy.origin_reads if self.policy else 0,
                 "buffers_allocated": self.buffers.allocated,

@@ -98,6 +98,9 @@ class VersionStore:
         self.fingerprints: dict[str, tuple[int, int, int]] = {}   # file -> (size, mtime, ctime) when verified
         self.suspect = False          # a chunk was found corrupt on disk: re-check every chunk before serving
         self.preexisting: set[str] = set()     # files already there when prepared (adoption candidates)
+        # each file's chunks are contiguous in manifest order: file k holds chunks [_file_end[k-1], _file_end[k])
+        self._file_end = np.cumsum([len(manifest.chunks_of(f.path)) for f in manifest.files], dtype=np.int64)
+        self._files_ready = 0
 
     # -- lifecycle
     def prepare(self, signed_manifest: bytes, reserve_bytes: int = 0) -> None:
@@ -142,6 +145,7 @@ class VersionStore:
 
     def set_bits(self, bits: np.ndarray) -> None:
         self.bits = np.asarray(bits, dtype=bool).copy()
+        self._files_ready = 0
         sizes = np.fromiter((c.size for c in self.manifest.chunks), dtype=np.int64, count=len(self.bits))
         self.done_chunks = int(self.bits.sum())
         self.done_bytes = int(sizes[self.bits].sum())
@@ -320,11 +324,21 @@ class VersionStore:
             data = os.pread(f.fileno(), c.size, c.offset)
         return len(data) == c.size and digests.hexdigest(self.manifest.hash_algorithm, data) == c.digest
 
+    def files_ready(self) -> int:
+        """How many of the manifest's files, in order, have every chunk verified: the model server may
+        read those ahead of the load while the rest arrives. On the owner's thread."""
+        k = self._files_ready
+        while k < len(self._file_end) and self.bits[(self._file_end[k - 1] if k else 0):self._file_end[k]].all():
+            k += 1
+        self._files_ready = k
+        return k
+
     def unmark_verified(self, index: int) -> None:
         """A chunk found corrupt on disk is not verified any more (in memory; the owner's thread only),
         and every chunk is re-checked before serving until the version is whole again."""
         if self.bits[index]:
             self.bits[index] = False
+            self._files_ready = min(self._files_ready, int(np.searchsorted(self._file_end, index, side="right")))
             self.done_chunks -= 1
             self.done_bytes -= self.manifest.chunks[index].size
         self.suspect = True

@@ -34,6 +34,7 @@ from serving.footprint import KV_CACHE_TOKENS
 from serving.hf_engine import TransformersEngine
 from serving.http_json import MAX_BODY, bad_request, json_object
 from serving.loader import LoadError
+from serving.prepare import Preparer
 from serving.trust import ManifestTrust
 
 log = logging.getLogger("serving.model_server")
@@ -48,6 +49,7 @@ class VersionState:
     code: str = ""
     nbytes: int = 0
     path: str = ""
+    read_ahead_bytes: int = 0       # of the load's bytes, those read and verified while distribution finished
 
 
 @dataclass
@@ -64,6 +66,7 @@ class ModelServer:
     # {(model, version): {"delay_s": extra latency per request, "error_every": every Nth request answers
     #                     500, "load_delay_s": extra time before a load starts}}
     faults: dict[VersionKey, dict] = field(default_factory=dict)
+    read_ahead_bytes: int | None = None   # memory for files read ahead of a load (None: a quarter of RAM)
 
     def __post_init__(self):
         r = self.registry = CollectorRegistry()
@@ -72,14 +75,37 @@ class ModelServer:
         self.m_ready = Gauge("model_server_version_ready", "1 when a version is ready here", ["model", "version"],
                              registry=r)
         self.m_loads = Counter("model_server_loads_total", "Load attempts", ["outcome"], registry=r)
+        self.m_ahead = Counter("model_server_read_ahead_bytes_total",
+                               "Bytes read and verified ahead of their load, while distribution finished", registry=r)
+        self.ahead = Preparer(self.read_ahead_bytes, self.m_ahead.inc)
         self._lock = asyncio.Lock()
         self.fault_count = 0
 
     def in_use(self) -> int:
         return sum(v.nbytes for v in self.versions.values() if v.state == "ready")
 
+    async def prepare(self, key: VersionKey | tuple[str, str], path: Path, files: int) -> dict:
+        """Read ahead the first ``files`` files of a version still arriving (serving/prepare.py); a
+        version this server may not load is refused here as at load."""
+        key = VersionKey(*key)
+        cur = self.versions.get(key)
+        if cur is not None and cur.state in ("ready", "loading"):
+            return {"files_wanted": 0, "files_read": 0, "bytes_held": 0, "note": f"already {cur.state}"}
+        await asyncio.to_thread(self.trust.check, Path(path))
+        return await self.ahead.want(key, Path(path), files)
+
     async def load(self, key: VersionKey | tuple[str, str], path: Path) -> VersionState:
         key = VersionKey(*key)
+        held = await self.ahead.stop(Path(path))   # what was read ahead stays for this load; nothing is read twice
+        try:
+            vs = await self._load(key, path)
+        finally:
+            freed = await self.ahead.forget(Path(path))
+        if held and vs.state == "ready":
+            vs.read_ahead_bytes = held - freed
+        return vs
+
+    async def _load(self, key: VersionKey, path: Path) -> VersionState:
         async with self._lock:   # one load at a time per host
             cur = self.versions.get(key)
             if cur and cur.state == "ready":
@@ -189,10 +215,27 @@ def make_app(ms: ModelServer) -> web.Application:
         status = 200 if vs.state == "ready" else 409
         return web.json_response({"model": key.model, "model_version": key.version, **vs.__dict__}, status=status)
 
+    async def prepare(request):
+        admin(request)
+        b = await body(request)
+        key = key_arg(b)
+        files = b.get("files")
+        if not isinstance(files, int) or isinstance(files, bool) or files < 0:
+            raise bad_request(f"files {files!r} must be a count (the manifest's first files peerd has verified)")
+        try:
+            out = await ms.prepare(key, store_path(b), files)
+        except LoadError as e:
+            return web.json_response({"model": key.model, "model_version": key.version, "code": e.code,
+                                      "reason": str(e)}, status=409)
+        except ValueError as e:
+            return web.json_response({"error": str(e)}, status=409)
+        return web.json_response({"model": key.model, "model_version": key.version, **out})
+
     async def unload(request):
         admin(request)
         b = await body(request)
         key = key_arg(b)
+        await ms.ahead.forget_version(key)      # an aborted rollout's read-ahead goes with it
         if not ms.unload(key):
             return web.json_response({"error": f"{key.model} {key.version} is not loaded on {ms.host_id}"}, status=404)
         return web.json_response({"unloaded": {"model": key.model, "version": key.version}})
@@ -272,6 +315,7 @@ def make_app(ms: ModelServer) -> web.Application:
     openai_host.add_routes(app, ms)
     if hasattr(ms.engine, "stop_all"):
         app.on_cleanup.append(stop_engines)
+    app.router.add_post("/v1/prepare", prepare)
     app.router.add_post("/v1/load", load)
     app.router.add_post("/v1/unload", unload)
     app.router.add_get("/v1/versions", versions)

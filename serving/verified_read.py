@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -33,11 +34,36 @@ class VerifyError(RuntimeError):
         self.code = code
 
 
+# Files verified ahead of a load (serving/prepare.py), by (version directory, path): the load takes
+# them instead of reading again. They are the bytes that were hashed, held in this process's memory.
+_ahead: dict[tuple[Path, str], bytearray] = {}
+_ahead_lock = threading.Lock()
+
+
+def offer(model_dir: Path, rel: str, buf) -> None:
+    with _ahead_lock:
+        _ahead[(Path(model_dir), rel)] = buf
+
+
+def take(model_dir: Path, rel: str):
+    with _ahead_lock:
+        return _ahead.pop((Path(model_dir), rel), None)
+
+
+def drop(model_dir: Path) -> int:
+    """Forget what was read ahead for ``model_dir``; the bytes freed."""
+    with _ahead_lock:
+        gone = [k for k in _ahead if k[0] == Path(model_dir)]
+        return sum(len(_ahead.pop(k)) for k in gone)
+
+
 class VerifiedFiles:
     """The files of the version stored at ``model_dir`` (``<store>/versions/<vid>/model``)."""
 
-    def __init__(self, model_dir: Path, threads: int | None = None):
+    def __init__(self, model_dir: Path, threads: int | None = None, initializer=None):
+        """``initializer``: run in each hashing thread first (serving/prepare.py lowers their priority)."""
         self.model_dir = Path(model_dir)
+        self.initializer = initializer
         vid = self.model_dir.parent.name
         try:
             doc = json.loads((self.model_dir.parent / "manifest.json").read_bytes())
@@ -51,6 +77,7 @@ class VerifiedFiles:
         self.files = {f.path: f for f in self.manifest.files}
         self.threads = threads or self.default_threads()
         self.bytes_hashed = 0
+        self.bytes_ahead = 0          # taken from what was verified ahead of the load
 
     @staticmethod
     def default_threads() -> int:
@@ -65,7 +92,7 @@ class VerifiedFiles:
         of hashing threads serves them all: the next file is read, and its chunks hashed, while the last
         chunks of this one finish and while the caller uses it (a pool per file would leave a core idle
         at every file's end). Raises VerifyError."""
-        with ThreadPoolExecutor(self.threads) as pool:
+        with ThreadPoolExecutor(self.threads, initializer=self.initializer) as pool:
             started = None
             for rel in rels:
                 nxt = self._start(pool, rel)
@@ -80,6 +107,10 @@ class VerifiedFiles:
         entry = self.files.get(rel)
         if entry is None:
             raise VerifyError("bad_checkpoint", f"{rel} is not listed in the signed manifest")
+        ready = take(self.model_dir, rel)
+        if ready is not None and len(ready) == entry.size:
+            self.bytes_ahead += len(ready)
+            return rel, ready, []
         buf = _buffer(entry.size)
         view = memoryview(buf)
         pending = []
@@ -101,6 +132,8 @@ class VerifiedFiles:
         return rel, buf, pending
 
     def _finish(self, rel: str, buf: bytearray, pending: list) -> tuple[str, bytearray]:
+        if not pending and self.files[rel].size:
+            return rel, buf               # verified ahead of the load
         for c, fut in pending:
             if fut.result() != c.digest:
                 raise VerifyError("altered", f"{rel}: chunk {c.index} (bytes {c.offset}..{c.offset + c.size}) "

@@ -66,7 +66,7 @@ def test_every_model_server_and_router_route_needs_its_token_but_the_open_ones(t
         r_got = refusals(apps.addrs[1], r_routes)
     finally:
         apps.stop()
-    assert set(ms_got) == {("POST", "/v1/load"), ("POST", "/v1/unload")}
+    assert set(ms_got) == {("POST", "/v1/prepare"), ("POST", "/v1/load"), ("POST", "/v1/unload")}
     assert {r: s for r, s in ms_got.items() if s != (401, 401)} == {}, ms_got
     assert all(401 not in s for s in open_got.values()), open_got
     # the router: the admin API (admin token) and the clients' API (their keys), every route

@@ -210,3 +210,45 @@ async def test_only_versions_signed_by_a_trusted_key_load_and_pinned_ones_only_w
             assert got["pinned"][:2] == (200, "")
         else:
             assert got["pinned"][:2] == (409, "untrusted") and "--allow-pinned" in got["pinned"][2], got
+
+
+async def test_files_read_ahead_are_verified_once_and_taken_by_the_load(tmp_path, keys):
+    """The host activity names the files peerd has verified whole; the server reads and hashes them
+    ahead, and the load takes those bytes instead of reading them again."""
+    import json
+
+    from tests.waiting import until
+    v1 = verified_version(tmp_path, "v1", seed=1, key=keys["private"])
+    files = json.loads((v1.parent / "manifest.json").read_bytes())["manifest"]["files"]
+    ahead = sum(f["size"] for f in files[:-1])
+    ms = ModelServer("h1", store_root=store_root(tmp_path), admin_token=ADMIN)
+    runner, addr = await serve(make_app(ms))
+    body = {"model": "tiny", "model_version": "v1", "version_id": v1.parent.name}
+    try:
+        async with aiohttp.ClientSession() as s:
+            for bad in (-1, "3", True, None):
+                st, out, _ = await call(s, "POST", addr + "/v1/prepare", json={**body, "files": bad}, headers=ADM)
+                assert st == 400 and "files" in out["error"]
+            st, _, _ = await call(s, "POST", addr + "/v1/prepare", json={**body, "version_id": "0" * 64, "files": 1},
+                                  headers=ADM)
+            assert st == 404
+            st, out, _ = await call(s, "POST", addr + "/v1/prepare", json={**body, "files": len(files) - 1}, headers=ADM)
+            assert st == 200 and out["files_wanted"] == len(files) - 1
+
+            async def read_ahead() -> float:
+                async with s.get(addr + "/metrics") as r:
+                    for line in (await r.text()).splitlines():
+                        if line.startswith("model_server_read_ahead_bytes_total "):
+                            return float(line.split()[1])
+                return 0.0
+            assert await until(lambda: _equals(read_ahead(), ahead), 30, "every file but the last read ahead")
+            st, out, _ = await call(s, "POST", addr + "/v1/load", json=body, headers=ADM)
+            assert st == 200 and out["state"] == "ready" and out["read_ahead_bytes"] == ahead
+            st, out, _ = await call(s, "POST", addr + "/v1/prepare", json={**body, "files": len(files)}, headers=ADM)
+            assert st == 200 and out["note"] == "already ready"
+    finally:
+        await runner.cleanup()
+
+
+async def _equals(aw, want) -> bool:
+    return await aw == want

@@ -1,6 +1,7 @@
 """Publishing overlaps distribution without weakening trust: the manifest is signed before any byte is
 uploaded and the rollout starts at once; hosts read from the origin only what is there and check
 every chunk against the signed manifest, as always."""
+import asyncio
 import json
 import uuid
 
@@ -79,7 +80,7 @@ async def test_bytes_altered_at_the_origin_during_the_overlap_are_refused_until_
 
     pub = await finish_upload(req, staged)           # the publisher's own bytes replace them
     assert victim.path in pub.uploaded
-    result = await handle.result()
+    result = await asyncio.wait_for(handle.result(), 120)
     assert result["ready"] == ["a", "b"] and result["traffic"] == {"v1": 100}
     assert set(result["phase_seconds"]) == {"manifest", "distribute", "verify", "load", "traffic"}   # in the history
     for h in ("a", "b"):
@@ -107,7 +108,7 @@ async def test_a_publish_that_fails_halfway_aborts_its_rollout_and_no_host_keeps
     assert seen[:2] == ["signed", "rollout"] and "published" not in seen
     handle = stack.client.get_workflow_handle("rollout-tiny-v1")
     with pytest.raises(WorkflowFailureError) as e:
-        await handle.result()
+        await asyncio.wait_for(handle.result(), 120)
     assert "publishing failed" in str(e.value.cause)
     async with S3Origin(req.origin, ACCESS_KEY, SECRET_KEY) as o:
         assert await o.read_object(COMPLETE) is None and await o.read_object(last.name) is None

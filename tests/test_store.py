@@ -116,3 +116,25 @@ def test_a_chunk_written_from_a_view_of_a_larger_reused_buffer(tmp_path, signed,
     with open(vs.model_dir / c.file, "rb") as f:
         f.seek(c.offset)
         assert f.read(c.size + 1)[:c.size] == data
+
+
+def test_files_ready_counts_the_leading_files_whose_every_chunk_is_verified(tmp_path, signed, checkpoint):
+    m, doc = signed
+    vs = ChunkStore(tmp_path / "s").open_version(m, json.dumps(doc).encode())
+    first, second, third = (m.chunks_of(f.path) for f in m.files)
+    assert len(m.files) == 3 and vs.files_ready() == 0
+    for c in second:                       # the second file whole, the first not yet: nothing to read ahead
+        vs.commit_chunk(c.index, chunk_bytes(checkpoint, c))
+    assert vs.files_ready() == 0
+    for c in first[:-1]:
+        vs.commit_chunk(c.index, chunk_bytes(checkpoint, c))
+    assert vs.files_ready() == 0
+    vs.commit_chunk(first[-1].index, chunk_bytes(checkpoint, first[-1]))
+    assert vs.files_ready() == 2
+    vs.unmark_verified(first[1].index)     # found corrupt on disk: the first file is not whole any more
+    assert vs.files_ready() == 0
+    vs.commit_chunk(first[1].index, chunk_bytes(checkpoint, first[1]))
+    for c in third:
+        vs.commit_chunk(c.index, chunk_bytes(checkpoint, c))
+    assert vs.files_ready() == 3 and vs.complete
+    vs.close()

@@ -347,12 +347,23 @@ async def publish_and_start(client: Client, req: PublishRequest, hosts: list[Hos
     return out
 
 
-async def _abort_rollout(client: Client, wid: str, reason: str) -> None:
-    """The rollout this publish started cannot finish: abort it (hosts drop what they fetched)."""
-    try:
-        await client.get_workflow_handle(wid).execute_update(RolloutWorkflow.abort, reason)
-    except (RPCError, WorkflowUpdateFailedError) as e:
-        log.warning("could not abort %s after a failed publish: %s", wid, e)
+async def _abort_rollout(client: Client, wid: str, reason: str, attempts: int = 8) -> None:
+    """The rollout this publish started cannot finish: abort it (hosts drop what they fetched). An
+    update can fail with its workflow task (a busy or restarting worker): retried with back-off; one
+    the workflow refuses (it already ended) is final."""
+    for attempt in range(attempts):
+        try:
+            await client.get_workflow_handle(wid).execute_update(RolloutWorkflow.abort, reason)
+            return
+        except WorkflowUpdateFailedError as e:
+            log.warning("%s refused the abort after a failed publish: %s", wid, e.cause or e)
+            return
+        except RPCError as e:
+            if attempt == attempts - 1:
+                log.warning("could not abort %s after a failed publish (%d tries): %s; abort it by hand "
+                            "(weightcast rollout abort %s)", wid, attempts, e, wid)
+                return
+            await asyncio.sleep(min(0.5 * 2 ** attempt, 5.0))
 
 
 async def _put_host_list(req: PublishRequest, key: str, raw: bytes) -> None:
