@@ -32,6 +32,7 @@ import subprocess
 import threading
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 
 SUBNET = "10.200"
 PAYLOAD_SHARE = 1448 / 1514        # TCP payload per Ethernet frame at MTU 1500 (timestamps on): ~95.6 %
@@ -129,6 +130,21 @@ class Topology:
             raise
         return self
 
+    def _allow_congestion(self) -> None:
+        """A namespace may select only the algorithms in the machine-wide allowed list (this machine's
+        default and ``reno`` unless widened): add ours to it, as root. The machine's own default is
+        untouched."""
+        base = Path("/proc/sys/net/ipv4")
+        allowed = (base / "tcp_allowed_congestion_control").read_text().split()
+        if self.congestion in allowed:
+            return
+        if self.congestion not in (base / "tcp_available_congestion_control").read_text().split():
+            raise NetnsError(f"the kernel has no {self.congestion!r} congestion control (modprobe tcp_{self.congestion})")
+        try:
+            (base / "tcp_allowed_congestion_control").write_text(" ".join([*allowed, self.congestion]))
+        except OSError as e:
+            raise NetnsError(f"cannot allow congestion control {self.congestion!r} in namespaces: {e}") from None
+
     def _netns(self, name: str) -> str:
         ip("netns", "add", name)
         self._made.append(name)
@@ -140,6 +156,7 @@ class Topology:
         return name
 
     def _build(self) -> None:
+        self._allow_congestion()
         fab = self._netns(self.fabric)
         ip("link", "add", "spine", "type", "bridge", ns=fab)
         ip("link", "set", "spine", "up", ns=fab)
