@@ -71,7 +71,7 @@ async def run_demo(hosts: int, size: int, rate: float, progress=None, keep_ui_s:
     try:
         generate_keypair(work / "key.pem", work / "key.pub")
         stack = await EmbeddedStack(work / "stack", work / "key.pub", [f"h{i}" for i in range(hosts)],
-                                    rate=rate, ui=ui, engine=engine).start()
+                                    rate=rate, ui=ui, engine=engine, preload_training=bool(train_steps)).start()
         hf = None
         if train_steps:
             limit = HF_DEADLINE_S + 10 * train_steps

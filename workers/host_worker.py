@@ -63,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "worker hands them back at once (default: next to --store, host-worker.inflight.json)")
     ap.add_argument("--metrics-port", type=int, default=0,
                     help="serve Prometheus metrics of this host's training ranks (tokens/s, MFU, loss) on this port")
+    ap.add_argument("--preload-training", action=argparse.BooleanOptionalAction, default=True,
+                    help="import torch and the training modules in the background at start, so that a first "
+                         "training rank starts without waiting for them; a host that only serves rollouts can "
+                         "skip it and save torch's memory and CPU-seconds (default: preload)")
     ap.add_argument("--ready-file", type=Path, help="write {id, task_queue} JSON here once polling")
     return ap
 
@@ -85,11 +89,13 @@ def main(argv=None) -> int:
         async with build(client, a.id, a.peerd, read_secret(a, CLUSTER_TOKEN), a.store, a.model_server,
                          read_secret(a, ADMIN_TOKEN), a.heartbeat_every,
                          a.train_dir, a.advertise_host, inflight, registry):
-            preload = asyncio.create_task(training_modules())     # in the background: polling already
+            # in the background, polling already; without it the first training activity imports them
+            preload = asyncio.create_task(training_modules()) if a.preload_training else None
             if a.ready_file:
                 a.ready_file.write_text(json.dumps({"id": a.id, "task_queue": host_queue(a.id), "pid": os.getpid()}))
             await stop_requested()
-            preload.cancel()
+            if preload:
+                preload.cancel()
     asyncio.run(run())
     return 0
 

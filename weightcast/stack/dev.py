@@ -99,7 +99,8 @@ async def serve(d: Path, hosts: int, rate: float, temporal_port: int, ui_port: i
     if not key.exists():
         generate_keypair(key, pub)
     stack = await EmbeddedStack(d / "stack", pub, [f"h{i}" for i in range(hosts)], rate=rate or None, ui=True,
-                                temporal_port=temporal_port, ui_port=ui_port, supervise=True).start()
+                                temporal_port=temporal_port, ui_port=ui_port, supervise=True,
+                                preload_training=True).start()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)

@@ -68,6 +68,8 @@ class EmbeddedStack:
     engine: Literal["transformers", "vllm"] = "transformers"    # what runs Hugging Face checkpoints on each host
     vllm_optimization_level: int | None = None  # vLLM's -O level (None: vLLM's default; 0: fastest start)
     net: "Topology | None" = None            # hosts on a kernel network, one namespace each (the module docstring)
+    preload_training: bool = False           # host workers import torch at start: only worth it where the stack
+                                             # trains (a first rank starts sooner); rollouts never need it
 
     async def start(self) -> "EmbeddedStack":
         self.root.mkdir(parents=True, exist_ok=True)
@@ -138,7 +140,8 @@ class EmbeddedStack:
                 f"host-worker {i}", "workers.host_worker", self.root / i,
                 ["--id", i, "--temporal", self.temporal_addr, "--namespace", self.namespace,
                  "--peerd", self.peerd[i].addr,
-                 "--store", str(self.peerd[i].store), "--model-server", server],
+                 "--store", str(self.peerd[i].store), "--model-server", server,
+                 "--preload-training" if self.preload_training else "--no-preload-training"],
                 env={"WEIGHTCAST_ADMIN_TOKEN": self.admin_token, "WEIGHTCAST_TOKEN": self.token},
                 prefix=place[i].run() if net else []).launch()
         for p in [*self.peerd.values(), *self.model_server_procs.values(), *self.host_workers.values()]:
