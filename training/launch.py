@@ -1,5 +1,6 @@
-"""`weightcast train run`: one training job on this machine, N rank processes (forked from a server that imported torch once), and a summary
-of what happened: loss, bytes each rank handed to the process group per step, throughput."""
+"""`weightcast train run`: one training job on this machine, N rank processes (forked from a server
+that imported torch once), and a summary of what happened: loss, bytes each rank handed to the process
+group per step, throughput."""
 from __future__ import annotations
 
 import faulthandler
@@ -28,22 +29,16 @@ def _peak(cfg: TrainConfig) -> float:
     measured peak with every thread the ranks use between them (they share the cores)."""
     import torch
     device = device_for(0)
-    precision = "bf16" if cfg.precision == "bf16" else "fp32"
+    dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
     if device.type == "cuda":
-        return _measured_peak(str(device), precision, 0) * min(cfg.world_size, torch.cuda.device_count())
+        return _measured_peak(device, dtype) * min(cfg.world_size, torch.cuda.device_count())
     threads = cfg.cpu_threads * cfg.world_size if cfg.cpu_threads else (os.cpu_count() or 1)
-    return _measured_peak("cpu", precision, threads)
+    return _measured_peak(device, dtype, threads=threads, seconds=0.3)
 
 
-@functools.cache
-def _measured_peak(device: str, precision: str, threads: int) -> float:
-    """Measured once per launching process and setting: a benchmark that launches many jobs compares
-    them all against the same bound, and pays the measurement once."""
-    import torch
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    if device == "cpu":
-        return matmul_peak(torch.device("cpu"), dtype, threads=threads, seconds=0.3)
-    return matmul_peak(torch.device(device), dtype)
+# measured once per launching process and setting: a benchmark that launches many jobs compares them
+# all against the same bound, and pays the measurement once
+_measured_peak = functools.cache(matmul_peak)
 
 
 class RanksFailed(RuntimeError):
