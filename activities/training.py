@@ -1,6 +1,7 @@
 """Host activities of a durable training run: a rendezvous address, one supervised rank process, export.
 
-``train_rank`` starts ``python -m training.supervised_rank`` in its own session, heartbeats the step,
+``train_rank`` forks a rank (training/supervised_rank.py) in its own session from the host's fork
+server (training/fork_server.py), heartbeats the step,
 loss and last complete checkpoint it reads from the rank's progress file, and on cancellation kills
 the process group. A rank that exits non-zero fails the activity (non-retryable): the workflow, not a
 retry, decides how to recover.
@@ -14,7 +15,6 @@ import json
 import os
 import signal
 import socket
-import sys
 import threading
 from pathlib import Path
 
@@ -24,6 +24,7 @@ import aiohttp
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from training.fork_server import ForkedRank, ForkServer
 from training.metrics import TrainingMetrics
 from lib.processes import last_lines
 from workflows.training_types import (ExportInput, RunControl, TrainRankInput, TrainRankResult, host_checkpoint_dir,
@@ -57,32 +58,18 @@ _imported = threading.Event()
 
 class TrainingActivities:
     def __init__(self, host_id: str, work: Path, advertise_host: str = "127.0.0.1", poll_s: float = 0.5,
-                 warm: bool = True, peerd: str = "", token: str = "", store: Path | None = None,
-                 registry=None):
-        self.host_id, self.work, self.advertise, self.poll_s, self.warm = host_id, work, advertise_host, poll_s, warm
+                 peerd: str = "", token: str = "", store: Path | None = None, registry=None):
+        self.host_id, self.work, self.advertise, self.poll_s = host_id, work, advertise_host, poll_s
         self.peerd, self.token, self.store = peerd, token, store      # node-local checkpoints move through peerd
-        self._ready: asyncio.subprocess.Process | None = None     # a rank process with torch imported, waiting
+        self._forks: ForkServer | None = None       # started at the first rank
         self.metrics = TrainingMetrics(registry) if registry is not None else None
         self._peaks: dict[int, float] = {}     # measured matmul FLOP/s by thread count (the MFU bound)
 
-    async def _rank_process(self, spec: Path, log: Path) -> asyncio.subprocess.Process:
-        """A warm process if one is ready (then another is started for next time), else a fresh one."""
-        proc, self._ready = self._ready, None
-        if proc is None or proc.returncode is not None:
-            with open(log, "ab") as out:
-                proc = await asyncio.create_subprocess_exec(
-                    sys.executable, "-m", "training.supervised_rank", str(spec), stdout=out, stderr=out,
-                    start_new_session=True)
-        else:
-            proc.stdin.write(f"{spec}\t{log}\n".encode())
-            await proc.stdin.drain()
-            proc.stdin.close()
-        if self.warm:
-            self.work.mkdir(parents=True, exist_ok=True)
-            self._ready = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "training.supervised_rank", "--warm", stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL, start_new_session=True)
-        return proc
+    async def _rank_process(self, spec: Path, log: Path) -> ForkedRank:
+        """A rank forked from this host's fork server (torch imported once per host worker)."""
+        if self._forks is None:
+            self._forks = ForkServer(self.work / "fork-server.log")
+        return await self._forks.start(spec, log)
 
     @activity.defn(name="rendezvous")
     async def rendezvous(self, run: str) -> str:
@@ -116,7 +103,8 @@ class TrainingActivities:
             await archiver.restore_if_newer()
         cfg = TrainConfig.from_dict(inp.config)
         speed = (flops_per_token(cfg) / model_parallel_degree(cfg), await self._peak(cfg))   # a rank's share
-        proc = await self._rank_process(spec, d / "rank.log")
+        # the first rank of this worker waits for its fork server to import torch: heartbeating
+        proc = await _beating(self._rank_process(spec, d / "rank.log"), lambda: {"starting": True}, self.poll_s)
         try:
             while True:
                 try:
@@ -134,7 +122,7 @@ class TrainingActivities:
                         beat["archived"] = archiver.archived
                     activity.heartbeat(beat)
         except asyncio.CancelledError:
-            _kill(proc.pid)
+            proc.kill()
             for background in (archiver, swarm):
                 if background:
                     background.cancel()
@@ -231,10 +219,3 @@ def _compact(progress: Path, pid: int, flops_per_token: float = 0.0, peak: float
             "tokens_per_s": None if tokens_per_s is None else round(tokens_per_s, 1),
             "mfu": round(tokens_per_s * flops_per_token / peak, 4) if tokens_per_s and peak else None,
             "comm_fraction": None if p.get("comm_fraction") is None else round(p["comm_fraction"], 4)}
-
-
-def _kill(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass

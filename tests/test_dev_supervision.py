@@ -6,12 +6,15 @@ import signal
 import time
 import uuid
 
+import pytest
 from temporalio.service import RPCError
 
+from peerd.signing import KeyError_
 from tests.rollout_fixtures import Stack
 from tests.test_cli_bench import _pid_of
 from tests.test_rollout_faults import RATE, wait_progress
 from weightcast.rollouts import start_rollout
+from weightcast.stack.embedded import EmbeddedStack
 from weightcast.stack.supervisor import Supervisor
 
 
@@ -66,3 +69,14 @@ async def test_killed_parts_come_back_and_the_rollout_finishes(tmp_path, seaweed
         assert restarts["peerd b"]["restarts"] == 0
     finally:
         await s.stop()
+
+
+async def test_a_stack_that_fails_to_start_stops_what_it_started(tmp_path, seaweed):
+    """A trusted key that is not there, found once the Temporal server and peerd run: the error names
+    the key, and no process of the stack is left running."""
+    stack = EmbeddedStack(tmp_path / "stack", tmp_path / "missing.pem", ["a"], s3=seaweed)
+    with pytest.raises(KeyError_, match="missing.pem not found"):
+        await stack.start()
+    assert stack.temporal_port and _pid_of(f"--port {stack.temporal_port}") is None
+    assert stack.peerd and all(p.proc.poll() is not None for p in stack.peerd.values())
+    assert _pid_of(str(tmp_path / "stack")) is None

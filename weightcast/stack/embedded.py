@@ -72,9 +72,23 @@ class EmbeddedStack:
                                              # trains (a first rank starts sooner); rollouts never need it
 
     async def start(self) -> "EmbeddedStack":
-        self.root.mkdir(parents=True, exist_ok=True)
+        """Start every part; a part that fails to start takes down the ones started before it."""
         self.supervisor = Supervisor()
-        self._own_s3 = self.s3 is None
+        self._own_s3, self._own_temporal = self.s3 is None, False
+        self.peerd: dict[str, PeerdProc] = {}
+        self.runners: list[web.AppRunner] = []
+        self.model_servers: dict[str, ModelServer] = {}         # in this process (loopback stacks)
+        self.model_server_procs: dict[str, ModuleProc] = {}     # processes in the hosts' namespaces (``net``)
+        self.host_workers: dict[str, ModuleProc] = {}
+        self.control_worker = None
+        try:
+            return await self._start()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _start(self) -> "EmbeddedStack":
+        self.root.mkdir(parents=True, exist_ok=True)
         net = self.net
         if net is not None and (net.gateway_addr is None or net.controller is None
                                 or len(net.hosts) < len(self.host_ids)):
@@ -99,22 +113,19 @@ class EmbeddedStack:
         place = {i: net.hosts[k] for k, i in enumerate(self.host_ids)} if net else {}
         addr = {i: h.addr for i, h in place.items()} or None
         rate = None if net else self.rate                   # on a kernel network the links set the pace
-        self.peerd = {i: PeerdProc(i, ports[i], self.root / i / "store",
-                                   fleet_args(i, ports, trusted_key=self.trusted_key, rate=rate,
-                                              origin_rate=rate / len(self.host_ids) if rate else None,
-                                              extra=["--dead-after", "2"], hosts=addr), env=self.s3.env(), token=self.token,
-                                   **({"host": place[i].addr, "prefix": place[i].run()} if net else {}))
-                      for i in self.host_ids}
+        self.peerd.update({i: PeerdProc(i, ports[i], self.root / i / "store",
+                                        fleet_args(i, ports, trusted_key=self.trusted_key, rate=rate,
+                                                   origin_rate=rate / len(self.host_ids) if rate else None,
+                                                   extra=["--dead-after", "2"], hosts=addr),
+                                        env=self.s3.env(), token=self.token,
+                                        **({"host": place[i].addr, "prefix": place[i].run()} if net else {}))
+                           for i in self.host_ids})
         for p in self.peerd.values():
             p.launch()
-        self.runners: list[web.AppRunner] = []
         self.router = Router(poll_interval=0.1, admin_token=self.admin_token)
         r, self.router_addr = await serve_app(router_app(self.router), self.router_port)
         self.runners.append(r)
-        self.model_servers: dict[str, ModelServer] = {}         # in this process (loopback stacks)
-        self.model_server_procs: dict[str, ModuleProc] = {}     # processes in the hosts' namespaces (``net``)
         self.hosts: list[HostSpec] = []
-        self.host_workers: dict[str, ModuleProc] = {}
         server_ports = dict(zip(self.host_ids, free_ports(len(self.host_ids)))) if net else {}
         for i in self.host_ids:
             if net:
@@ -217,7 +228,8 @@ class EmbeddedStack:
         """Tear everything down; each step is bounded so a wedged part cannot hang the caller."""
         await self.supervisor.stop()                # nothing is restarted while it goes down
         await asyncio.to_thread(stop_processes, [p.proc for p in self.host_workers.values()])
-        await _bounded(self.control_worker.shutdown(), "control worker shutdown")
+        if self.control_worker is not None:
+            await _bounded(self.control_worker.shutdown(), "control worker shutdown")
         for r in self.runners:
             await _bounded(r.cleanup(), "HTTP server cleanup")
         for ms in self.model_servers.values():       # engine processes (vLLM servers), whatever cleanup managed
@@ -227,7 +239,7 @@ class EmbeddedStack:
                                                                   *self.peerd.values()]])
         if self._own_temporal:
             await _bounded(self.stop_temporal(), "Temporal dev server shutdown")
-        if self._own_s3:
+        if self._own_s3 and self.s3 is not None:
             await asyncio.to_thread(self.s3.stop)
 
 

@@ -1,0 +1,192 @@
+"""A host's rank fork server: one process that imported torch and the training code once and forks
+every supervised rank from itself, so a rank (a restarted one above all) starts in milliseconds and
+no host pays torch's import (about 3 CPU-seconds) per rank start.
+
+The server, ``python -m training.fork_server``, reads ``SPEC<TAB>LOG`` lines on stdin and answers on
+stdout with ``started PID`` once the rank is forked and ``exited PID CODE`` when it ends (CODE as
+``Popen.returncode``: negative for a signal). Each rank runs in its own session (its process group is
+its pid, for ``killpg``) with stdout and stderr appended to LOG. It is single-threaded (select on stdin
+and a SIGCHLD wake-up pipe), so nothing holds a lock across ``fork``. On end of stdin, its host worker
+gone, it exits; ranks it forked run on in their sessions, as ranks of a worker that died always have.
+
+``ForkServer`` is the host worker's side: ``start(spec, log)`` returns a ``ForkedRank`` with the
+``pid``, ``returncode`` and ``wait()`` of a subprocess. If the server itself dies, the ranks it was
+watching can no longer be watched: they are killed and reported as killed, and the next start forks
+from a fresh server.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+import select
+import signal
+import sys
+import traceback
+from pathlib import Path
+
+
+def _fork_rank(spec: str, log: str, wake_fds: tuple[int, int]) -> int:
+    """Fork one rank; in the child, run it and never return. Returns once the child leads its own
+    session, so whoever gets the pid can signal its process group."""
+    in_session_r, in_session_w = os.pipe()
+    pid = os.fork()
+    if pid:
+        os.close(in_session_w)
+        os.read(in_session_r, 1)            # end of file: the child has called setsid (or died)
+        os.close(in_session_r)
+        return pid
+    code = 1
+    try:
+        os.setsid()
+        os.close(in_session_r)
+        os.close(in_session_w)
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for fd in wake_fds:
+            os.close(fd)
+        out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+        os.close(out)
+        os.close(null)
+        from training.supervised_rank import run_spec
+        run_spec(spec)                  # leaves with os._exit(0) once the rank is done
+        code = 0
+    except SystemExit as e:
+        code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def serve() -> None:
+    from training.supervised_rank import preload
+    preload()
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)     # a handler, so the wake-up byte is written
+    children: set[int] = set()
+    pending = b""
+    while True:
+        readable, _, _ = select.select([0, wake_r], [], [])
+        if wake_r in readable:
+            while True:
+                try:
+                    if not os.read(wake_r, 512):
+                        break
+                except BlockingIOError:
+                    break
+        while children:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if not pid:
+                break
+            children.discard(pid)
+            os.write(1, f"exited {pid} {os.waitstatus_to_exitcode(status)}\n".encode())
+        if 0 in readable:
+            data = os.read(0, 65536)
+            if not data:                 # the host worker is gone
+                os._exit(0)
+            pending += data
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                spec, log = line.decode().split("\t")
+                pid = _fork_rank(spec, log, (wake_r, wake_w))
+                children.add(pid)
+                os.write(1, f"started {pid}\n".encode())
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+class ForkedRank:
+    """A rank forked by the server, watched like a subprocess."""
+
+    def __init__(self, pid: int, exited: asyncio.Future):
+        self.pid, self._exited = pid, exited
+
+    @property
+    def returncode(self) -> int | None:
+        return self._exited.result() if self._exited.done() else None
+
+    async def wait(self) -> int:
+        return await asyncio.shield(self._exited)      # a timed-out wait must not cancel the watch
+
+    def kill(self) -> None:
+        """SIGKILL the rank's process group (the rank and anything it started)."""
+        _kill_group(self.pid)
+
+
+class ForkServer:
+    """The host worker's handle on its fork server, started at the first rank."""
+
+    def __init__(self, log: Path):
+        self.log = log
+        self._proc: asyncio.subprocess.Process | None = None
+        self._reader: asyncio.Task | None = None
+        self._starting: collections.deque[asyncio.Future] = collections.deque()
+        self._exits: dict[int, asyncio.Future] = {}
+
+    async def start(self, spec: Path, log: Path) -> ForkedRank:
+        if self._proc is None or self._reader.done():
+            await self._spawn()
+        started = asyncio.get_running_loop().create_future()
+        self._starting.append(started)
+        self._proc.stdin.write(f"{spec}\t{log}\n".encode())
+        await self._proc.stdin.drain()
+        pid = await started
+        return ForkedRank(pid, self._exits[pid])
+
+    async def _spawn(self) -> None:
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "ab") as err:
+            self._proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "training.fork_server", stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE, stderr=err, start_new_session=True)
+        self._reader = asyncio.create_task(self._read(self._proc))
+
+    async def _read(self, proc: asyncio.subprocess.Process) -> None:
+        """Until the server's stdout ends. Cancelled (its worker stopping), it leaves the ranks running,
+        as a worker's ranks always outlive it; the server exits when the worker's end of stdin closes."""
+        loop = asyncio.get_running_loop()
+        async for line in proc.stdout:
+            kind, pid, *code = line.decode().split()
+            if kind == "started":
+                self._exits[int(pid)] = loop.create_future()
+                started = self._starting.popleft()
+                if started.cancelled():             # its activity was cancelled meanwhile: no one runs it
+                    _kill_group(int(pid))
+                else:
+                    started.set_result(int(pid))
+            else:
+                self._exits.pop(int(pid)).set_result(int(code[0]))
+        await proc.wait()
+        gone = RuntimeError(f"the rank fork server exited with {proc.returncode} (its log: {self.log})")
+        while self._starting:
+            started = self._starting.popleft()
+            if not started.cancelled():
+                started.set_exception(gone)
+        for pid, exited in self._exits.items():        # no one can report their end any more
+            _kill_group(pid)
+            exited.set_result(-signal.SIGKILL)
+        self._exits.clear()
+
+    async def close(self) -> None:
+        if self._proc is not None and self._proc.returncode is None:
+            self._proc.stdin.close()
+            await self._reader
+
+
+if __name__ == "__main__":
+    serve()
