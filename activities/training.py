@@ -1,75 +1,45 @@
 """Host activities of a durable training run: a rendezvous address, one supervised rank process, export.
 
 ``train_rank`` forks a rank (training/supervised_rank.py) in its own session from the host's fork
-server (training/fork_server.py), heartbeats the step,
-loss and last complete checkpoint it reads from the rank's progress file, and on cancellation kills
-the process group. A rank that exits non-zero fails the activity (non-retryable): the workflow, not a
+server (training/fork_server.py), heartbeats the step, loss and last complete checkpoint it reads
+from the rank's progress file, and on cancellation kills the process group. The worker itself does
+not import torch: the fork server and its ranks do, and the one host that exports. A rank that exits non-zero fails the activity (non-retryable): the workflow, not a
 retry, decides how to recover.
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib
 import json
 import os
 import signal
 import socket
-import threading
 from pathlib import Path
-
-from typing import TYPE_CHECKING
 
 import aiohttp
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from training.fork_server import ForkedRank, ForkServer
+from training.archive_sync import Archiver
+from training.checkpoint_swarm import CheckpointSwarm
+from training.config import TrainConfig
+from training.control import Control, write
+from training.flops import flops_per_token, model_parallel_degree
+from training.fork_server import ForkServer
 from training.metrics import TrainingMetrics
 from lib.processes import last_lines
 from workflows.training_types import (ExportInput, RunControl, TrainRankInput, TrainRankResult, host_checkpoint_dir,
                                       node_local)
-
-if TYPE_CHECKING:
-    from training.checkpoint_swarm import CheckpointSwarm
-
-# the modules that import torch, which the activities below import where they use them
-TRAINING_MODULES = ("training.archive_sync", "training.checkpoint_swarm", "training.config", "training.control",
-                    "training.flops", "training.rank", "training.export")
-
-
-def _import_training() -> None:
-    for name in TRAINING_MODULES:
-        importlib.import_module(name)
-
-
-async def training_modules() -> None:
-    """torch and the training modules, imported on a thread. A host worker polls in under a second
-    instead of after torch's import (seconds), and while the import runs its event loop keeps every
-    activity's heartbeat going. The worker starts it in the background; each training activity awaits
-    it (at once, once done) before its own imports of these modules."""
-    if not _imported.is_set():
-        await asyncio.to_thread(_import_training)
-        _imported.set()
-
-
-_imported = threading.Event()
-
 
 class TrainingActivities:
     def __init__(self, host_id: str, work: Path, advertise_host: str = "127.0.0.1", poll_s: float = 0.5,
                  peerd: str = "", token: str = "", store: Path | None = None, registry=None):
         self.host_id, self.work, self.advertise, self.poll_s = host_id, work, advertise_host, poll_s
         self.peerd, self.token, self.store = peerd, token, store      # node-local checkpoints move through peerd
-        self._forks: ForkServer | None = None       # started at the first rank
+        # torch lives in the fork server and the ranks it forks, never in the worker itself
+        self.forks = ForkServer(self.work / "fork-server.log")
         self.metrics = TrainingMetrics(registry) if registry is not None else None
-        self._peaks: dict[int, float] = {}     # measured matmul FLOP/s by thread count (the MFU bound)
-
-    async def _rank_process(self, spec: Path, log: Path) -> ForkedRank:
-        """A rank forked from this host's fork server (torch imported once per host worker)."""
-        if self._forks is None:
-            self._forks = ForkServer(self.work / "fork-server.log")
-        return await self._forks.start(spec, log)
+        self._peaks: dict[tuple[int, str], float] = {}   # matmul FLOP/s by threads and precision (MFU's bound)
 
     @activity.defn(name="rendezvous")
     async def rendezvous(self, run: str) -> str:
@@ -80,10 +50,6 @@ class TrainingActivities:
 
     @activity.defn(name="train_rank")
     async def train_rank(self, inp: TrainRankInput) -> TrainRankResult:
-        await _beating(training_modules(), lambda: {"starting": True}, self.poll_s)
-        from training.archive_sync import Archiver
-        from training.config import TrainConfig
-        from training.flops import flops_per_token, model_parallel_degree
         d = self.work / inp.run / f"attempt-{inp.attempt}" / f"rank{inp.rank}"
         d.mkdir(parents=True, exist_ok=True)
         progress = d / "progress.json"
@@ -102,9 +68,11 @@ class TrainingActivities:
         if archiver:
             await archiver.restore_if_newer()
         cfg = TrainConfig.from_dict(inp.config)
-        speed = (flops_per_token(cfg) / model_parallel_degree(cfg), await self._peak(cfg))   # a rank's share
+        # a rank's share of the FLOPs, and the bound (the first one waits for the fork server's start)
+        speed = (flops_per_token(cfg) / model_parallel_degree(cfg),
+                 await _beating(self._peak(cfg), lambda: {"starting": True}, self.poll_s))
         # the first rank of this worker waits for its fork server to import torch: heartbeating
-        proc = await _beating(self._rank_process(spec, d / "rank.log"), lambda: {"starting": True}, self.poll_s)
+        proc = await _beating(self.forks.start(spec, d / "rank.log"), lambda: {"starting": True}, self.poll_s)
         try:
             while True:
                 try:
@@ -155,27 +123,20 @@ class TrainingActivities:
         return TrainRankResult(inp.rank, rec["next_step"], rec["first_step"], rec["held_out_loss"], rec["save_stall_s"],
                                rec["paused"], fetched)
 
-    async def _peak(self, cfg) -> float:
+    async def _peak(self, cfg: TrainConfig) -> float:
         """This host's matmul peak with the threads one rank uses, measured once (before any rank of
         this worker loads the cores) and kept."""
-        import torch
-        from training.flops import matmul_peak
-        from training.rank import device_for
         threads = cfg.cpu_threads or max(1, (os.cpu_count() or 1) // cfg.world_size)
-        if threads not in self._peaks:
-            dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
-            self._peaks[threads] = await asyncio.to_thread(matmul_peak, device_for(0), dtype, threads, 0.3)
-        return self._peaks[threads]
+        if (threads, cfg.precision) not in self._peaks:
+            self._peaks[threads, cfg.precision] = await self.forks.peak(threads, cfg.precision)
+        return self._peaks[threads, cfg.precision]
 
     @activity.defn(name="set_run_control")
     async def set_run_control(self, inp: RunControl) -> None:
         """Pause / checkpoint-now for the run's ranks: rank 0 on this host reads it after every step."""
-        await training_modules()
-        from training.control import Control, write
         write(self._control(inp.run), Control(inp.pause, inp.checkpoint_seq))
 
-    def _swarm(self, run: str, root: Path) -> "CheckpointSwarm":
-        from training.checkpoint_swarm import CheckpointSwarm
+    def _swarm(self, run: str, root: Path) -> CheckpointSwarm:
         if not self.store:
             raise ApplicationError(f"node-local checkpoints need this host's peerd, but the host worker on "
                                    f"{self.host_id} was started without --store", type="NoPeerd", non_retryable=True)
@@ -187,10 +148,13 @@ class TrainingActivities:
     @activity.defn(name="export_weights")
     async def export_weights(self, inp: ExportInput) -> str:
         """The newest complete checkpoint as an HF-style safetensors checkpoint with smoke material."""
-        await training_modules()
-        from training.export import export_checkpoint
         here = dataclasses.replace(inp, checkpoint_dir=host_checkpoint_dir(inp.checkpoint_dir, self.host_id))
-        return str(await asyncio.to_thread(export_checkpoint, here))
+        return str(await asyncio.to_thread(_export, here))
+
+
+def _export(inp: ExportInput) -> Path:
+    from training.export import export_checkpoint      # torch: imported by the one host that exports
+    return export_checkpoint(inp)
 
 
 async def _beating(work, beat, every_s: float):

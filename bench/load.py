@@ -23,7 +23,7 @@ from peerd import digests, manifest as mf
 from peerd.store import ChunkStore
 from serving.checkpoint import write_checkpoint
 from serving.loader import load_model, pick_device
-from serving.model import ModelConfig
+from serving.model_config import ModelConfig
 from serving.verified_read import VerifiedFiles
 
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from serving.model import ModelConfig, TinyTransformer, init_model
+from serving.model import TinyTransformer, init_model
+from serving.model_config import ModelConfig
 
 INDEX = "model.safetensors.index.json"
 SMOKE = "weightcast_smoke.json"

@@ -11,7 +11,8 @@ from typing import NamedTuple, Protocol
 import torch
 
 from serving.loader import LoadResult, load_model, pick_device
-from serving.model import ModelConfig, TinyTransformer
+from serving.model import TinyTransformer
+from serving.model_config import ModelConfig
 
 
 class VersionKey(NamedTuple):

@@ -18,7 +18,8 @@ import torch
 
 from peerd.manifest import VERIFIED_NAME
 from serving.checkpoint import INDEX, SMOKE
-from serving.model import ModelConfig, TinyTransformer
+from serving.model import TinyTransformer
+from serving.model_config import ModelConfig
 from serving.verified_read import VerifiedFiles, VerifyError, safetensors_views
 
 VERIFIED = VERIFIED_NAME          # the store writes it (peerd/store.py)

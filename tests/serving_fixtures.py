@@ -9,7 +9,7 @@ from peerd import manifest as mf
 from peerd.manifest_fetch import pinned_document
 from peerd.store import ChunkStore
 from serving.checkpoint import write_checkpoint
-from serving.model import ModelConfig
+from serving.model_config import ModelConfig
 
 SMALL = ModelConfig(vocab=512, d_model=64, n_layers=2, n_heads=2, d_ff=128, max_seq=32)
 

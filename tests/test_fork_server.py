@@ -1,6 +1,7 @@
 """The host's rank fork server (training/fork_server.py), a real server process: each rank runs in its
-own session and logs to its own file, its exit code or signal is reported like a subprocess's, and a
-server that dies takes the ranks it watched with it and is replaced at the next start."""
+own session and logs to its own file, its exit code or signal is reported like a subprocess's, the
+matmul peak is measured on request, and a server that dies takes the ranks it watched with it and is
+replaced at the next start."""
 import asyncio
 import json
 import os
@@ -45,6 +46,8 @@ async def test_ranks_fork_into_their_own_sessions_and_report_codes_and_signals(t
         assert rank.returncode is None
         os.killpg(rank.pid, signal.SIGTERM)
         assert await rank.wait() == -signal.SIGTERM
+        # the bound of MFU, measured in a child of the server: a positive FLOP rate per precision
+        assert await forks.peak(1, "fp32") > 1e6 and await forks.peak(1, "bf16") > 1e6
     finally:
         await forks.close()
 

@@ -6,7 +6,8 @@ import torch
 
 from serving.checkpoint import INDEX, SMOKE, write_checkpoint
 from serving.loader import LoadError, load_model
-from serving.model import ModelConfig, init_model
+from serving.model import init_model
+from serving.model_config import ModelConfig
 from tests.serving_fixtures import SMALL, verified_version
 
 

@@ -15,7 +15,7 @@ from tests.fleet import Fleet
 from tests.test_training_workflow import plain_loss
 from tests.training_fixtures import CONFIG, hosts, progress
 from tests.waiting import until
-from training.checkpoint import MARK
+from training.checkpoint_files import MARK
 from training.config import TrainConfig
 from workers import control_worker
 from workflows.training import TrainingWorkflow

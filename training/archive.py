@@ -16,7 +16,7 @@ import uuid
 from pathlib import Path
 
 from peerd.origin import S3Origin
-from training.checkpoint import MARK, check, step_dir
+from training.checkpoint_files import MARK, check, step_dir
 
 log = logging.getLogger("weightcast.training.archive")
 

@@ -13,7 +13,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from peerd.origin import OriginError, OriginSpec, S3Origin
 from training.archive import archive, newest_archived, restore
-from training.checkpoint import MARK, step_of
+from training.checkpoint_files import MARK, step_of
 
 log = logging.getLogger("weightcast.training.archive")
 

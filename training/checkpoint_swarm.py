@@ -31,7 +31,7 @@ from peerd import manifest as mf
 from peerd.client import PeerdClient, PeerdError
 from lib.http_input import bearer_headers
 from lib.atomic import write_atomic
-from training.checkpoint import MARK, MERGED, step_of
+from training.checkpoint_files import MARK, MERGED, step_of
 
 log = logging.getLogger("weightcast.training.checkpoint_swarm")
 

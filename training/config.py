@@ -9,8 +9,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from serving.model import ModelConfig
-from training.models import FAMILIES
+from serving.model_config import ModelConfig
 
 LAYOUTS = ("single", "ddp", "fsdp", "tp", "pp", "fsdp_tp")
 COMMS = ("allreduce", "fp16", "int8_ef", "topk_ef", "powersgd", "local_sgd", "diloco")
@@ -19,6 +18,8 @@ DATA_PARALLEL = ("ddp", "fsdp", "fsdp_tp")
 OPTIMIZERS = ("adamw", "sgd")
 SCHEDULES = ("constant", "cosine")
 PRECISIONS = ("fp32", "bf16")
+FAMILIES = ("reference", "llama", "qwen2", "mistral")     # the models training/models.py builds
+HF_FAMILIES = ("llama", "qwen2", "mistral")
 
 
 class ConfigError(ValueError):
@@ -268,7 +269,6 @@ class TrainConfig:
 def _adopt_init_from(d: dict) -> dict:
     """The settings with family, model sizes and kv_heads read from ``init_from``'s config.json (and
     its tokenizer when a corpus is set and no tokenizer is); a size given too must agree with it."""
-    from training.models import HF_FAMILIES
     src = Path(str(d["init_from"]))
     try:
         hf = json.loads((src / "config.json").read_text())

@@ -11,9 +11,6 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-
 from lib.atomic import write_atomic
 
 
@@ -39,6 +36,8 @@ def write(path: Path, control: Control) -> None:
 
 def agree(path: Path, rank: int, group, time_due: bool = False) -> Control:
     """Rank 0's reading of the file (and of its clock: ``time_due``), on every rank."""
+    import torch                     # here: host workers write controls without importing torch
+    import torch.distributed as dist
     mine = read(path) if rank == 0 else Control()
     mine.time_due = time_due if rank == 0 else False
     if group is None:

@@ -10,7 +10,8 @@ import torch
 from safetensors.torch import load_file
 
 from serving.checkpoint import write_model
-from serving.model import ModelConfig, TinyTransformer, init_model
+from serving.model import TinyTransformer, init_model
+from serving.model_config import ModelConfig
 from training.models import build as build_model
 from training.checkpoint import Checkpointer, latest
 from training.config import ConfigError, TrainConfig

@@ -11,8 +11,10 @@
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 def flops_per_token(cfg) -> float:
@@ -34,9 +36,12 @@ def model_parallel_degree(cfg) -> int:
     return cfg.world_size if cfg.layout == "pp" else cfg.tensor_degree()
 
 
-def matmul_peak(device: torch.device, dtype: torch.dtype = torch.float32, threads: int = 0,
+def matmul_peak(device: "torch.device", dtype: "torch.dtype | None" = None, threads: int = 0,
                 seconds: float = 1.0) -> float:
-    """FLOP/s of the best round of square matmuls on ``device`` (``threads`` CPU threads, 0: as set)."""
+    """FLOP/s of the best round of square matmuls on ``device`` in ``dtype`` (default float32), with
+    ``threads`` CPU threads (0: as set). torch is imported here: the FLOP count above needs none."""
+    import torch
+    dtype = dtype or torch.float32
     n = 4096 if device.type == "cuda" else 1024
     saved = torch.get_num_threads()
     if device.type == "cpu" and threads:

@@ -1,18 +1,24 @@
 """A host's rank fork server: one process that imported torch and the training code once and forks
 every supervised rank from itself, so a rank (a restarted one above all) starts in milliseconds and
-no host pays torch's import (about 3 CPU-seconds) per rank start.
+no host pays torch's import (about 3 CPU-seconds) per rank start; the host worker itself never
+imports torch.
 
-The server, ``python -m training.fork_server``, reads ``SPEC<TAB>LOG`` lines on stdin and answers on
-stdout with ``started PID`` once the rank is forked and ``exited PID CODE`` when it ends (CODE as
-``Popen.returncode``: negative for a signal). Each rank runs in its own session (its process group is
-its pid, for ``killpg``) with stdout and stderr appended to LOG. It is single-threaded (select on stdin
-and a SIGCHLD wake-up pipe), so nothing holds a lock across ``fork``. On end of stdin, its host worker
-gone, it exits; ranks it forked run on in their sessions, as ranks of a worker that died always have.
+The server, ``python -m training.fork_server``, reads tab-separated requests on stdin and answers on
+stdout:
+- ``rank SPEC LOG``: fork a rank; ``started PID`` once it runs, ``exited PID CODE`` when it ends (CODE
+  as ``Popen.returncode``: negative for a signal). Each rank runs in its own session (its process
+  group is its pid, for ``killpg``) with stdout and stderr appended to LOG.
+- ``peak THREADS PRECISION``: this host's matmul FLOP/s with that many CPU threads in that precision
+  (the bound of MFU), measured in a forked child so that the server's own threads stay unstarted;
+  ``peak THREADS PRECISION VALUE``, or ``failed`` for VALUE.
+The server is single-threaded (select on stdin and a SIGCHLD wake-up pipe), so nothing holds a lock
+across ``fork``. On end of stdin, its host worker gone, it exits; ranks it forked run on in their
+sessions, as ranks of a worker that died always have.
 
 ``ForkServer`` is the host worker's side: ``start(spec, log)`` returns a ``ForkedRank`` with the
-``pid``, ``returncode`` and ``wait()`` of a subprocess. If the server itself dies, the ranks it was
-watching can no longer be watched: they are killed and reported as killed, and the next start forks
-from a fresh server.
+``pid``, ``returncode``, ``wait()`` and ``kill()`` of a subprocess, ``peak(threads, precision)`` the
+measured bound. If the server itself dies, the ranks it was watching can no longer be watched: they
+are killed and reported as killed, and the next request starts a fresh server.
 """
 from __future__ import annotations
 
@@ -24,6 +30,13 @@ import signal
 import sys
 import traceback
 from pathlib import Path
+
+
+def _child_setup(wake_fds: tuple[int, int]) -> None:
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for fd in wake_fds:
+        os.close(fd)
 
 
 def _fork_rank(spec: str, log: str, wake_fds: tuple[int, int]) -> int:
@@ -41,10 +54,7 @@ def _fork_rank(spec: str, log: str, wake_fds: tuple[int, int]) -> int:
         os.setsid()
         os.close(in_session_r)
         os.close(in_session_w)
-        signal.set_wakeup_fd(-1)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        for fd in wake_fds:
-            os.close(fd)
+        _child_setup(wake_fds)
         out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
@@ -65,6 +75,28 @@ def _fork_rank(spec: str, log: str, wake_fds: tuple[int, int]) -> int:
         os._exit(code)
 
 
+def _fork_peak(threads: int, precision: str, wake_fds: tuple[int, int]) -> int:
+    """Fork a child that measures the matmul peak and writes its answer line to stdout."""
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        _child_setup(wake_fds)
+        import torch
+        from training.flops import matmul_peak
+        from training.rank import device_for
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        value = matmul_peak(device_for(0), dtype, threads, 0.3)
+        os.write(1, f"peak {threads} {precision} {value!r}\n".encode())
+        code = 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stderr.flush()
+        os._exit(code)
+
+
 def serve() -> None:
     from training.supervised_rank import preload
     preload()
@@ -74,6 +106,7 @@ def serve() -> None:
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)     # a handler, so the wake-up byte is written
     children: set[int] = set()
+    measuring: dict[int, str] = {}          # pid -> "THREADS PRECISION"
     pending = b""
     while True:
         readable, _, _ = select.select([0, wake_r], [], [])
@@ -84,10 +117,15 @@ def serve() -> None:
                         break
                 except BlockingIOError:
                     break
-        while children:
+        while children or measuring:
             pid, status = os.waitpid(-1, os.WNOHANG)
             if not pid:
                 break
+            if pid in measuring:
+                asked = measuring.pop(pid)
+                if os.waitstatus_to_exitcode(status):
+                    os.write(1, f"peak {asked} failed\n".encode())
+                continue
             children.discard(pid)
             os.write(1, f"exited {pid} {os.waitstatus_to_exitcode(status)}\n".encode())
         if 0 in readable:
@@ -97,10 +135,14 @@ def serve() -> None:
             pending += data
             *lines, pending = pending.split(b"\n")
             for line in lines:
-                spec, log = line.decode().split("\t")
-                pid = _fork_rank(spec, log, (wake_r, wake_w))
-                children.add(pid)
-                os.write(1, f"started {pid}\n".encode())
+                kind, *args = line.decode().split("\t")
+                if kind == "rank":
+                    pid = _fork_rank(args[0], args[1], (wake_r, wake_w))
+                    children.add(pid)
+                    os.write(1, f"started {pid}\n".encode())
+                else:
+                    threads, precision = int(args[0]), args[1]
+                    measuring[_fork_peak(threads, precision, (wake_r, wake_w))] = f"{threads} {precision}"
 
 
 def _kill_group(pid: int) -> None:
@@ -137,16 +179,38 @@ class ForkServer:
         self._reader: asyncio.Task | None = None
         self._starting: collections.deque[asyncio.Future] = collections.deque()
         self._exits: dict[int, asyncio.Future] = {}
+        self._peaks: dict[tuple[int, str], list[asyncio.Future]] = {}
+        self._spawning = asyncio.Lock()
+        self._warming: asyncio.Future | None = None
+
+    def warm_soon(self) -> None:
+        """Start the server now, from a running loop, without waiting: its imports overlap whatever
+        comes before the first rank."""
+        self._warming = asyncio.ensure_future(self._running())
 
     async def start(self, spec: Path, log: Path) -> ForkedRank:
-        if self._proc is None or self._reader.done():
-            await self._spawn()
         started = asyncio.get_running_loop().create_future()
         self._starting.append(started)
-        self._proc.stdin.write(f"{spec}\t{log}\n".encode())
-        await self._proc.stdin.drain()
+        await self._send(f"rank\t{spec}\t{log}")
         pid = await started
         return ForkedRank(pid, self._exits[pid])
+
+    async def peak(self, threads: int, precision: str) -> float:
+        """Matmul FLOP/s with ``threads`` CPU threads in ``precision`` (0.0 if it could not be measured)."""
+        answer = asyncio.get_running_loop().create_future()
+        self._peaks.setdefault((threads, precision), []).append(answer)
+        await self._send(f"peak\t{threads}\t{precision}")
+        return await answer
+
+    async def _running(self) -> None:
+        async with self._spawning:
+            if self._proc is None or self._reader.done():
+                await self._spawn()
+
+    async def _send(self, line: str) -> None:
+        await self._running()
+        self._proc.stdin.write(f"{line}\n".encode())
+        await self._proc.stdin.drain()
 
     async def _spawn(self) -> None:
         self.log.parent.mkdir(parents=True, exist_ok=True)
@@ -162,7 +226,12 @@ class ForkServer:
         loop = asyncio.get_running_loop()
         async for line in proc.stdout:
             kind, pid, *code = line.decode().split()
-            if kind == "started":
+            if kind == "peak":
+                threads, precision, value = int(pid), code[0], code[1]
+                for answer in self._peaks.pop((threads, precision), []):
+                    if not answer.done():
+                        answer.set_result(0.0 if value == "failed" else float(value))
+            elif kind == "started":
                 self._exits[int(pid)] = loop.create_future()
                 started = self._starting.popleft()
                 if started.cancelled():             # its activity was cancelled meanwhile: no one runs it
@@ -173,10 +242,12 @@ class ForkServer:
                 self._exits.pop(int(pid)).set_result(int(code[0]))
         await proc.wait()
         gone = RuntimeError(f"the rank fork server exited with {proc.returncode} (its log: {self.log})")
-        while self._starting:
-            started = self._starting.popleft()
-            if not started.cancelled():
-                started.set_exception(gone)
+        waiting = [*self._starting, *(a for answers in self._peaks.values() for a in answers)]
+        self._starting.clear()
+        self._peaks.clear()
+        for answer in waiting:
+            if not answer.done():
+                answer.set_exception(gone)
         for pid, exited in self._exits.items():        # no one can report their end any more
             _kill_group(pid)
             exited.set_result(-signal.SIGKILL)

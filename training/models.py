@@ -8,14 +8,9 @@
 """
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 from torch import nn
 
-Family = Literal["reference", "llama", "qwen2", "mistral"]
-FAMILIES: tuple[str, ...] = ("reference", "llama", "qwen2", "mistral")
-HF_FAMILIES = ("llama", "qwen2", "mistral")
 
 # Megatron-style splits (module names inside one block): column-wise in, row-wise out, so each block
 # needs one all-reduce forward and one backward. For the HF families q/k/v split whole heads and whole

@@ -33,7 +33,8 @@ from peerd.client import PeerdClient, PeerdError
 from peerd.origin import OriginSpec
 from peerd.signing import generate_keypair
 from serving.checkpoint import write_checkpoint
-from serving.model import ModelConfig, init_model
+from serving.model import init_model
+from serving.model_config import ModelConfig
 from weightcast.demo_hf import roll_out_llama
 from weightcast.demo_training import PrologueFailed, serve_and_ask, train_then_roll_out
 from weightcast.publish import PublishRequest, publish_and_start

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 from temporalio.client import WorkflowFailureError
 
-from serving.model import ModelConfig
+from serving.model_config import ModelConfig
 from training.config import TrainConfig
 from training.models import build
 from training.rank import held_out_loss

@@ -13,7 +13,7 @@ from temporalio.client import Client
 from temporalio.worker import Worker
 
 from activities.host import HostActivities
-from activities.training import TrainingActivities, training_modules
+from activities.training import TrainingActivities
 from lib.secret_input import ADMIN_TOKEN, CLUSTER_TOKEN, add_secret_file_arg, read_secret
 from workers.inflight import InFlight
 from workers.stop_signal import stop_requested
@@ -29,10 +29,13 @@ HEARTBEAT_EVERY_S = 1.0
 
 def build(client: Client, host_id: str, peerd_addr: str, token: str, store: Path, model_server: str,
           admin_token: str = "", heartbeat_every_s: float = HEARTBEAT_EVERY_S, train_dir: Path | None = None,
-          advertise_host: str = "127.0.0.1", inflight: InFlight | None = None, registry=None) -> Worker:
+          advertise_host: str = "127.0.0.1", inflight: InFlight | None = None, registry=None,
+          preload_training: bool = False) -> Worker:
     acts = HostActivities(host_id, peerd_addr, token, store, model_server, admin_token)
     train = TrainingActivities(host_id, train_dir or store.parent / "train", advertise_host,
                                peerd=peerd_addr, token=token, store=store, registry=registry)
+    if preload_training:                    # from the running loop of main()
+        train.forks.warm_soon()
     every = timedelta(seconds=heartbeat_every_s)
     return Worker(client, task_queue=host_queue(host_id),
                   activities=[acts.distribute, acts.load_version, acts.discard_version,
@@ -64,9 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--metrics-port", type=int, default=0,
                     help="serve Prometheus metrics of this host's training ranks (tokens/s, MFU, loss) on this port")
     ap.add_argument("--preload-training", action=argparse.BooleanOptionalAction, default=True,
-                    help="import torch and the training modules in the background at start, so that a first "
-                         "training rank starts without waiting for them; a host that only serves rollouts can "
-                         "skip it and save torch's memory and CPU-seconds (default: preload)")
+                    help="start the training ranks' fork server (which imports torch) in the background at "
+                         "start, so that a first rank starts without waiting for it; a host that only serves "
+                         "rollouts can skip it and save torch's memory and CPU-seconds (default: preload)")
     ap.add_argument("--ready-file", type=Path, help="write {id, task_queue} JSON here once polling")
     return ap
 
@@ -88,14 +91,10 @@ def main(argv=None) -> int:
         await inflight.release_orphans(client)        # before polling: what a crashed predecessor was running
         async with build(client, a.id, a.peerd, read_secret(a, CLUSTER_TOKEN), a.store, a.model_server,
                          read_secret(a, ADMIN_TOKEN), a.heartbeat_every,
-                         a.train_dir, a.advertise_host, inflight, registry):
-            # in the background, polling already; without it the first training activity imports them
-            preload = asyncio.create_task(training_modules()) if a.preload_training else None
+                         a.train_dir, a.advertise_host, inflight, registry, a.preload_training):
             if a.ready_file:
                 a.ready_file.write_text(json.dumps({"id": a.id, "task_queue": host_queue(a.id), "pid": os.getpid()}))
             await stop_requested()
-            if preload:
-                preload.cancel()
     asyncio.run(run())
     return 0
 

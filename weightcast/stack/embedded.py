@@ -68,8 +68,8 @@ class EmbeddedStack:
     engine: Literal["transformers", "vllm"] = "transformers"    # what runs Hugging Face checkpoints on each host
     vllm_optimization_level: int | None = None  # vLLM's -O level (None: vLLM's default; 0: fastest start)
     net: "Topology | None" = None            # hosts on a kernel network, one namespace each (the module docstring)
-    preload_training: bool = False           # host workers import torch at start: only worth it where the stack
-                                             # trains (a first rank starts sooner); rollouts never need it
+    preload_training: bool = False           # host workers start their rank fork server (torch) at start: only
+                                             # worth it where the stack trains; rollouts never need it
 
     async def start(self) -> "EmbeddedStack":
         """Start every part; a part that fails to start takes down the ones started before it."""
