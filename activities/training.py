@@ -71,7 +71,6 @@ class TrainingActivities:
         # a rank's share of the FLOPs, and the bound (the first one waits for the fork server's start)
         speed = (flops_per_token(cfg) / model_parallel_degree(cfg),
                  await _beating(self._peak(cfg), lambda: {"starting": True}, self.poll_s))
-        # the first rank of this worker waits for its fork server to import torch: heartbeating
         proc = await _beating(self.forks.start(spec, d / "rank.log"), lambda: {"starting": True}, self.poll_s)
         try:
             while True:
