@@ -171,7 +171,7 @@ class ForkedRank:
 
 
 class ForkServer:
-    """The host worker's handle on its fork server, started at the first rank."""
+    """The host worker's handle on its fork server, started by ``warm_soon`` or the first request."""
 
     def __init__(self, log: Path):
         self.log = log
@@ -181,7 +181,7 @@ class ForkServer:
         self._exits: dict[int, asyncio.Future] = {}
         self._peaks: dict[tuple[int, str], list[asyncio.Future]] = {}
         self._spawning = asyncio.Lock()
-        self._warming: asyncio.Future | None = None
+        self._warming: asyncio.Future | None = None      # held: a task nobody references can be collected
 
     def warm_soon(self) -> None:
         """Start the server now, from a running loop, without waiting: its imports overlap whatever
@@ -198,8 +198,10 @@ class ForkServer:
     async def peak(self, threads: int, precision: str) -> float:
         """Matmul FLOP/s with ``threads`` CPU threads in ``precision`` (0.0 if it could not be measured)."""
         answer = asyncio.get_running_loop().create_future()
-        self._peaks.setdefault((threads, precision), []).append(answer)
-        await self._send(f"peak\t{threads}\t{precision}")
+        asked = self._peaks.setdefault((threads, precision), [])
+        asked.append(answer)
+        if len(asked) == 1:              # one measurement at a time per setting: two would slow each other
+            await self._send(f"peak\t{threads}\t{precision}")
         return await answer
 
     async def _running(self) -> None:

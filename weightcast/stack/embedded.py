@@ -74,7 +74,7 @@ class EmbeddedStack:
     async def start(self) -> "EmbeddedStack":
         """Start every part; a part that fails to start takes down the ones started before it."""
         self.supervisor = Supervisor()
-        self._own_s3, self._own_temporal = self.s3 is None, False
+        self._own_s3, self._own_temporal, self.temporal = self.s3 is None, False, None
         self.peerd: dict[str, PeerdProc] = {}
         self.runners: list[web.AppRunner] = []
         self.model_servers: dict[str, ModelServer] = {}         # in this process (loopback stacks)
@@ -237,7 +237,7 @@ class EmbeddedStack:
                 await asyncio.to_thread(ms.engine.stop_all)
         await asyncio.to_thread(stop_processes, [p.proc for p in [*self.model_server_procs.values(),
                                                                   *self.peerd.values()]])
-        if self._own_temporal:
+        if self._own_temporal and self.temporal is not None:
             await _bounded(self.stop_temporal(), "Temporal dev server shutdown")
         if self._own_s3 and self.s3 is not None:
             await asyncio.to_thread(self.s3.stop)
