@@ -57,6 +57,7 @@ class FetchJob:
                                   keep=cfg.max_inflight + cfg.seeder_inflight + cfg.origin_catch_up
                                   + cfg.endgame_chunks * cfg.endgame_dups)
         self._tasks: dict[tuple[int, str], asyncio.Task] = {}
+        self._commits: set[asyncio.Task] = set()      # chunks received, being verified and written
         self._wake = asyncio.Event()
         self._origin: S3Origin | None = None
         self.task: asyncio.Task | None = None
@@ -66,7 +67,7 @@ class FetchJob:
     def stop(self, reason: str) -> None:
         """Stop fetching (pause or abort upstream); verified chunks and the bitmap stay, and submitting
         the version again resumes from them."""
-        if self.task is not None and not self.task.done():
+        if self.task is not None and not self.task.done() and not self._stop_reason:
             self._stop_reason = reason
             self.task.cancel()
 
@@ -91,6 +92,7 @@ class FetchJob:
         except DiskFullError as e:
             self._fail("disk_full", str(e))
         except asyncio.CancelledError:
+            await self._settle()     # before the state says stopped: its counts are then final
             if self._stop_reason:
                 self.state, self.finished = "stopped", time.time()
                 self.error = {"code": "stopped", "message": self._stop_reason}
@@ -102,11 +104,21 @@ class FetchJob:
             log.exception("job failed")
             self._fail("internal", f"{type(e).__name__}: {e}")
         finally:
-            for t in self._tasks.values():
-                t.cancel()
+            await self._settle()
             self.buffers.close()         # a finished job keeps no chunk buffers (64 MiB each on a fleet)
             if self._origin:
                 await self._origin.__aexit__(None, None, None)
+
+    async def _settle(self) -> None:
+        """No fetch left running, and every chunk already received is written and counted. A chunk
+        whose write had begun is finished, not dropped: its worker thread makes the bitmap byte durable
+        either way, so the in-memory bitmap (and a stopped job's bytes_done) must count it too."""
+        for t in list(self._tasks.values()):
+            t.cancel()
+        if self._tasks:
+            await asyncio.wait(list(self._tasks.values()))
+        if self._commits:
+            await asyncio.wait(list(self._commits))
 
     def _fail(self, code: str, message: str) -> None:
         self.state, self.finished = "failed", time.time()
@@ -239,10 +251,10 @@ class FetchJob:
             # hashed and written in a worker thread (hashlib releases the GIL: chunks hash in parallel,
             # off the loop); the buffer goes back to the pool only once that thread is done with it
             buf = None
-            await self.buffers.use_in_thread(data, partial(self.vs.write_chunk, r.chunk))
-            if self.vs.bits[r.chunk]:            # the loop thread alone sets bits: an earlier copy won
-                self.duplicate_bytes += c.size
-            self.vs.mark_verified(r.chunk)       # on the loop thread: the only writer of the bitmap
+            commit = asyncio.create_task(self._commit(r, data))
+            self._commits.add(commit)
+            commit.add_done_callback(self._commits.discard)
+            await asyncio.shield(commit)         # a cancel from here on leaves the write to finish
         except asyncio.CancelledError:
             self.policy.chunk_failed(r.chunk, r.source, "cancelled", loop.time())
             raise
@@ -275,13 +287,21 @@ class FetchJob:
             self.host.metrics.failures.labels(label or reason).inc()
             self._cancel(self.policy.chunk_failed(r.chunk, r.source, reason, now))
             return
+        self._cancel(self.policy.chunk_done(r.chunk, r.source, c.size, now - t0, now))
+
+    async def _commit(self, r: Request, data: memoryview) -> None:
+        """Verify and write a received chunk, then count it (its own task: a cancel does not drop it)."""
+        c = self.m.chunks[r.chunk]
+        await self.buffers.use_in_thread(data, partial(self.vs.write_chunk, r.chunk))
+        if self.vs.bits[r.chunk]:            # the loop thread alone sets bits: an earlier copy won
+            self.duplicate_bytes += c.size
+        self.vs.mark_verified(r.chunk)       # on the loop thread: the only writer of the bitmap
         src = "origin" if r.source == ORIGIN else "peer"
         self.bytes[src] += c.size
         self.last_progress = time.time()
         self.host.metrics.bytes_in.labels(src).inc(c.size)
         self.host.metrics.chunks.labels(src).inc()
         self.host.metrics.progress.labels(self.vs.vid[:12]).set(self.vs.done_chunks / len(self.m.chunks))
-        self._cancel(self.policy.chunk_done(r.chunk, r.source, c.size, now - t0, now))
         self.host.have_news()
 
     async def _from_origin(self, c, into: memoryview) -> None:

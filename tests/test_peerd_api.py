@@ -8,7 +8,8 @@ import pytest
 from peerd import manifest as mf
 from peerd.chunk_fetch import ChunkFetcher, PeerStatus
 from peerd.ratelimit import TokenBucket
-from tests.fleet import TOKEN, Fleet, call
+from tests.fleet import TOKEN, Fleet, call, host_files_match, publish
+from weightcast.checkpoint_random import write_random_checkpoint
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
@@ -137,3 +138,38 @@ async def test_the_chunk_transport_speaks_peerds_api(daemon):
     assert e.value.status == 404 and "not stored" in e.value.message
     wrong.close()
     right.close()
+
+
+async def test_a_stopped_job_counts_every_chunk_its_bitmap_holds(tmp_path, seaweed, keys):
+    """Stopped mid-download again and again: each stop's answer counts exactly the chunks whose bitmap
+    bytes are on disk, including those whose write was under way when the stop came, and the version
+    completes with every chunk fetched once."""
+    ckpt = write_random_checkpoint(tmp_path / "ckpt", 24 * 1024 * 1024, files=2, seed=3)
+    m = mf.build_from_directory(ckpt, "tiny", "stops", chunk_size=1024 * 1024)
+    doc = mf.sign_manifest(m, keys["private"])
+    origin = await publish(seaweed, ckpt, "stops")
+    fleet = Fleet(tmp_path, seaweed, keys["pub_path"], ["x"], extra={"x": ["--reserve-bytes", "0"]}).start()
+    bitmap = tmp_path / "x" / "store" / "versions" / m.digest / "bitmap"
+    try:
+        async with fleet.client("x") as c:
+            stops, fetched = 0, 0
+            while (st := await c.start_job(doc, origin, seeders=["x"]))["state"] != "complete":
+                before = st["chunks_done"]
+                while (await c.job(m.digest))["chunks_done"] == before:      # stopped just after a chunk
+                    await asyncio.sleep(0.005)
+                st = await c.stop_job(m.digest, "test")
+                if st["state"] == "complete":
+                    break
+                assert st["state"] == "stopped", st
+                await asyncio.sleep(0.1)               # a write left running would land by now
+                on_disk = bitmap.read_bytes()
+                assert st["bytes_done"] == sum(ch.size for ch in m.chunks if on_disk[ch.index]), stops
+                assert (await c.job(m.digest))["bytes_done"] == st["bytes_done"]
+                fetched += st["bytes_by_source"]["origin"]
+                stops += 1
+            st = await c.wait(m.digest, 60)
+        assert stops >= 3, stops
+        assert st["state"] == "complete" and host_files_match(fleet, "x", m, ckpt)
+        assert fetched + st["bytes_by_source"]["origin"] == m.total_size       # each chunk fetched once
+    finally:
+        fleet.stop()
