@@ -18,9 +18,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -87,6 +89,7 @@ class VllmEngine:
         self.servers: dict[VersionKey, Server] = {}
         self.idle: dict[str, Server] = {}          # model -> a drained server kept for an in-place reload
         self.last_load: dict[str, object] = {}      # how the last load went: "in_place" or "cold", seconds
+        self.rpc_dir: str | None = None           # the servers' ZMQ sockets; removed by stop_all
 
     def device(self) -> str:
         return "vllm"
@@ -135,7 +138,9 @@ class VllmEngine:
                "--kv-cache-memory-bytes", str(kv_cache_bytes), "--host", "127.0.0.1", "--port", str(port)]
         if self.optimization_level is not None:
             cmd += ["--optimization-level", str(self.optimization_level)]
-        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1",
+        if self.rpc_dir is None:       # short (a socket path has 107 bytes) and this engine's own
+            self.rpc_dir = tempfile.mkdtemp(prefix="weightcast-vllm-")
+        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_RPC_BASE_PATH": self.rpc_dir,
                "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
         with open(log, "ab") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
@@ -235,3 +240,6 @@ class VllmEngine:
             stop_process(server.proc)
         self.servers.clear()
         self.idle.clear()
+        if self.rpc_dir is not None:   # a killed server leaves its sockets behind
+            shutil.rmtree(self.rpc_dir)
+            self.rpc_dir = None

@@ -3,6 +3,7 @@ the model server and the router, answering the official `openai` client: a cold 
 version beside the first, an in-place reload into a drained server, and the failures: a reload whose
 golden check fails (the server is stopped, the version never ready) and an engine that cannot start."""
 import json
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -115,11 +116,14 @@ async def test_vllm_serves_reloads_in_place_and_never_serves_what_fails_its_chec
                                                 temperature=0)
             assert r.choices[0].text == golden_text(trained, p)[0]
     finally:
+        procs = [s.proc for s in [*engine.servers.values(), *engine.idle.values()]]
+        rpc_dir = engine.rpc_dir
         await client.close()
         for r in (r2, r1):
-            await r.cleanup()
+            await r.cleanup()           # the model server's cleanup stops its engine's servers
         engine.stop_all()
-    assert all(s.proc.poll() is not None for s in [*engine.servers.values(), *engine.idle.values()])
+    assert procs and all(p.poll() is not None for p in procs)
+    assert rpc_dir and not os.path.exists(rpc_dir)          # no ZMQ socket left behind in /tmp
 
 
 def trained_llama_export(tmp_path: Path) -> Path:
