@@ -37,7 +37,7 @@ from lib.netns import PAYLOAD_SHARE, Topology
 from peerd.signing import generate_keypair, load_private_key
 from weightcast.checkpoint_random import write_random_checkpoint
 from weightcast.stack.peerd_proc import PeerdProc, fleet_args
-from weightcast.stack.ports import free_ports
+from lib.ports import free_ports
 from weightcast.stack.seaweed import ACCESS_KEY, SECRET_KEY, SeaweedS3
 
 
@@ -269,11 +269,10 @@ async def _run(cfg: SwarmBenchConfig, net: Topology | None, progress=None) -> di
                 "origin_cpu_s": origin_cpu,
                 "origin_cpu_s_per_gib_served": origin_cpu / max(1e-9, origin_bytes / 2**30),
                 "machine_cores": os.cpu_count(),
-                # bytes received beyond one copy: a verified chunk fetched again (must be 0), apart
-                # from endgame's second sources whose copy arrived after the first (both requested
-                # while the chunk was missing)
-                "refetched_bytes": sum(max(0, sum(last[i]["bytes_by_source"].values()) - m.total_size
-                                           - last[i]["duplicate_bytes"]) for i in survivors if i in last),
+                # chunks counted for more than one source (must be 0); endgame's second sources whose
+                # copy arrived after the first (both requested while the chunk was missing) are apart
+                "refetched_bytes": sum(max(0, sum(last[i]["bytes_by_source"].values()) - m.total_size)
+                                       for i in survivors if i in last),
                 "endgame_duplicate_bytes": sum(last[i]["duplicate_bytes"] for i in survivors if i in last)}
     finally:
         for p in procs:

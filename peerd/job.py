@@ -293,13 +293,14 @@ class FetchJob:
         """Verify and write a received chunk, then count it (its own task: a cancel does not drop it)."""
         c = self.m.chunks[r.chunk]
         await self.buffers.use_in_thread(data, partial(self.vs.write_chunk, r.chunk))
+        src = "origin" if r.source == ORIGIN else "peer"
+        self.host.metrics.bytes_in.labels(src).inc(c.size)          # received: a second copy too
         if self.vs.bits[r.chunk]:            # the loop thread alone sets bits: an earlier copy won
             self.duplicate_bytes += c.size
+            return
         self.vs.mark_verified(r.chunk)       # on the loop thread: the only writer of the bitmap
-        src = "origin" if r.source == ORIGIN else "peer"
-        self.bytes[src] += c.size
+        self.bytes[src] += c.size            # each chunk counted once, for the source that supplied it
         self.last_progress = time.time()
-        self.host.metrics.bytes_in.labels(src).inc(c.size)
         self.host.metrics.chunks.labels(src).inc()
         self.host.metrics.progress.labels(self.vs.vid[:12]).set(self.vs.done_chunks / len(self.m.chunks))
         self.host.have_news()
