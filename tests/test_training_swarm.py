@@ -3,6 +3,7 @@ every checkpoint is replicated to the ranks' hosts through peerd's swarm, and a 
 the newest one from its peers before its rank starts. Real dev server, host workers, rank processes
 and peerds."""
 import asyncio
+import json
 import os
 import signal
 import uuid
@@ -11,11 +12,13 @@ from pathlib import Path
 import pytest
 from temporalio.testing import WorkflowEnvironment
 
-from tests.fleet import Fleet
+from lib.atomic import write_atomic
+from tests.fleet import TOKEN, Fleet
 from tests.test_training_workflow import plain_loss
 from tests.training_fixtures import CONFIG, hosts, progress
 from tests.waiting import until
-from training.checkpoint_files import MARK
+from training.checkpoint_files import CHUNK_SIZE, MARK, MERGED, check, mark_bytes, step_dir, write_digests
+from training.checkpoint_swarm import CheckpointSwarm
 from training.config import TrainConfig
 from workers import control_worker
 from workflows.training import TrainingWorkflow
@@ -75,7 +78,35 @@ async def test_a_host_whose_peerd_is_down_resumes_from_its_own_checkpoints(tmp_p
     """No answer from this host's peerd: nothing fetched, said in the log, and the rank starts anyway
     (from whatever whole checkpoints this host has)."""
     from training.checkpoint_swarm import CheckpointSwarm
-    from weightcast.stack.ports import free_ports
+    from lib.ports import free_ports
     swarm = CheckpointSwarm("r", tmp_path / "ckpt", f"http://127.0.0.1:{free_ports(1)[0]}", "t", tmp_path / "store")
     assert await swarm.restore_newest() is None
     assert "did not answer" in caplog.text and "own checkpoints" in caplog.text
+
+
+async def test_a_step_whole_in_this_hosts_peerd_but_never_laid_out_is_laid_out_before_the_rank_starts(
+        tmp_path, keys, seaweed):
+    """The rank's activity ended (its peer died) after the host's peerd had the merged step whole but
+    before the replication pass wrote the step's mark: a restarted host worker lays it out from its
+    own peerd, so the rank resumes from that step and not from an older one."""
+    fleet = Fleet(tmp_path, seaweed, keys["pub_path"], ["h"]).start()
+    try:
+        root = tmp_path / "ckpt"
+        step = step_dir(root, 100)
+        step.mkdir(parents=True)
+        (step / "__0_0.distcp").write_bytes(os.urandom(300_000))
+        (step / ".metadata").write_bytes(b"metadata")
+        raw = write_digests(step, 0, 1, CHUNK_SIZE)
+        write_atomic(step / MERGED, mark_bytes(100, [json.loads(raw)]))
+        store = tmp_path / "h" / "store"
+        first = CheckpointSwarm("r", root, fleet.procs["h"].addr, TOKEN, store)
+        [(_, st)] = await first._pass()                      # seeded: peerd verifies the files in place
+        async with fleet.client("h") as c:
+            assert (await c.wait(st["version_id"], 30))["state"] == "complete"
+        assert not (step / MARK).exists()                    # the worker went before its next pass
+
+        got = await CheckpointSwarm("r", root, fleet.procs["h"].addr, TOKEN, store).restore_newest()
+        assert got["step"] == 100 and got["version_id"] == st["version_id"]
+        assert (step / MARK).is_file() and check(step) is None
+    finally:
+        fleet.stop()

@@ -156,8 +156,10 @@ class CheckpointSwarm:
     # ---------------------------------------------------------------- before a rank starts
     async def restore_newest(self) -> dict | None:
         """When a live peer holds a newer whole checkpoint than this host, fetch it through the swarm and
-        lay it out here. Returns what was fetched ({step, version_id, bytes_from_peers,
-        bytes_from_origin}; None: this host is as new as any peer)."""
+        lay it out here. This host's own peerd counts too: a step it replicated whole just before the
+        rank's activity ended was never laid out (its mark not written), and is laid out now. Returns
+        what was fetched ({step, version_id, bytes_from_peers, bytes_from_origin}; None: this host is
+        as new as any peer)."""
         local = [step_of(p) for p in self.root.glob("step-*") if (p / MARK).is_file()] if self.root.is_dir() else []
         mine = max(local, default=-1)
         try:
@@ -189,7 +191,8 @@ class CheckpointSwarm:
         return None
 
     async def _held_by_peers(self) -> list[tuple[int, str]]:
-        """(step, version id) of this run's checkpoints whole on some live peer, newest first."""
+        """(step, version id) of this run's checkpoints whole on this host's peerd or a live peer's,
+        newest first."""
         model = run_model(self.run)
         found: dict[int, str] = {}
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
@@ -203,7 +206,8 @@ class CheckpointSwarm:
                 except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError) as e:
                     log.info("peer %s not asked for checkpoints: %s", addr, e)
                     return []
-            answers = await asyncio.gather(*(stored(m["addr"]) for m in me["members"] if not m["dead"]))
+            answers = [me["stored"], *await asyncio.gather(*(stored(m["addr"]) for m in me["members"]
+                                                              if not m["dead"]))]
         for entry in [e for a in answers for e in a]:
             if entry["model"] == model and entry["complete"] and entry["version"].startswith("step-"):
                 found[step_of(Path(entry["version"]))] = entry["version_id"]
