@@ -13,7 +13,6 @@ import dataclasses
 import json
 import os
 import signal
-import socket
 from pathlib import Path
 
 import aiohttp
@@ -27,6 +26,7 @@ from training.control import Control, write
 from training.flops import flops_per_token, model_parallel_degree
 from training.fork_server import ForkServer
 from training.metrics import TrainingMetrics
+from lib.ports import free_ports
 from lib.processes import last_lines
 from workflows.training_types import (ExportInput, RunControl, TrainRankInput, TrainRankResult, host_checkpoint_dir,
                                       node_local)
@@ -44,9 +44,7 @@ class TrainingActivities:
     @activity.defn(name="rendezvous")
     async def rendezvous(self, run: str) -> str:
         """A TCP address on this host for rank 0's store (a fresh port per attempt: no stale store)."""
-        with socket.socket() as s:
-            s.bind((self.advertise, 0))
-            return f"tcp://{self.advertise}:{s.getsockname()[1]}"
+        return f"tcp://{self.advertise}:{free_ports(1, self.advertise)[0]}"
 
     @activity.defn(name="train_rank")
     async def train_rank(self, inp: TrainRankInput) -> TrainRankResult:

@@ -31,7 +31,7 @@ import aiohttp
 from bench.throughput import cpu_seconds
 from peerd.signing import generate_keypair
 from weightcast.stack.peerd_proc import PeerdProc
-from weightcast.stack.ports import free_ports
+from lib.ports import free_ports
 
 ROUND_DEADLINE_S = 120.0      # every wait: a hung peerd fails the bench instead of holding it
 

@@ -26,7 +26,7 @@ import aiohttp
 
 from peerd.chunk_fetch import ChunkFetcher
 from peerd.ratelimit import TokenBucket
-from weightcast.stack.ports import free_ports
+from lib.ports import free_ports
 
 PIECE = 256 * 1024
 ROUND_DEADLINE_S = 120.0      # one way's round; a hung server or client fails the bench instead of waiting

@@ -45,7 +45,7 @@ from peerd.origin import OriginSpec, S3Origin
 from peerd.signing import generate_keypair, load_private_key
 from weightcast.checkpoint_random import write_random_checkpoint
 from weightcast.stack.peerd_proc import PeerdProc, fleet_args
-from weightcast.stack.ports import free_ports
+from lib.ports import free_ports
 from weightcast.stack.seaweed import ACCESS_KEY, SECRET_KEY, SeaweedS3
 
 GIB = 1 << 30

@@ -15,7 +15,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from lib.ports import free_ports
 from serving.model import init_model
 from training.config import TrainConfig
 from training.launch import launch
@@ -52,15 +52,9 @@ def _wait(pred, timeout: float, what: str) -> float:
     return time.monotonic()
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _local(cfg: TrainConfig, root: Path, every: int, synchronous: bool) -> list[float]:
     """An uninterrupted supervised job without Temporal; the save stalls of rank 0."""
-    init, procs = f"tcp://127.0.0.1:{_port()}", []
+    init, procs = f"tcp://127.0.0.1:{free_ports(1)[0]}", []
     for r in range(cfg.world_size):
         d = root / f"rank{r}"
         d.mkdir(parents=True, exist_ok=True)
@@ -88,7 +82,7 @@ def _torchrun(cfg: TrainConfig, root: Path, every: int, kill_at: int) -> dict:
     log = open(root / "torchrun.log", "wb")
     agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
                               "--nproc-per-node", str(cfg.world_size), "--max-restarts", "3",
-                              "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_port()}",
+                              "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_ports(1)[0]}",
                               "-m", "training.torchrun_rank", str(spec)],
                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:

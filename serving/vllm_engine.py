@@ -19,7 +19,6 @@ import hashlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from lib.ports import free_ports
 from lib.processes import child_options, describe_exit, last_lines, stop_process
 from serving.engine import VersionGone, VersionKey
 from serving.footprint import KV_CACHE_TOKENS, footprint
@@ -42,12 +42,6 @@ REPO = Path(__file__).resolve().parent.parent
 def vllm_python() -> str:
     """The interpreter of the vLLM virtualenv: $WEIGHTCAST_VLLM_PYTHON, else the project's .venv-vllm."""
     return os.environ.get("WEIGHTCAST_VLLM_PYTHON") or str(REPO / ".venv-vllm" / "bin" / "python")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -131,7 +125,7 @@ class VllmEngine:
         if not Path(self.python).exists():
             raise LoadError("engine_failed", f"no vLLM interpreter at {self.python}: run `make vllm-venv` (or set "
                                              "WEIGHTCAST_VLLM_PYTHON)")
-        port = _free_port()
+        port = free_ports(1)[0]
         log = self.workdir / f"vllm-{key.model}-{port}.log"
         cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                "--served-model-name", key.model, "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),

@@ -1,15 +1,17 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
+from lib.ports import ENV as PORTS_ENV, port_range, free_ports
 from peerd import manifest as mf
 from peerd.signing import generate_keypair, load_private_key, load_public_key
 from weightcast.checkpoint_random import write_random_checkpoint
-from weightcast.stack.ports import free_ports
 from weightcast.stack.seaweed import SeaweedS3
 from weightcast.stack.temporal import TemporalDevServer
 
@@ -91,6 +93,24 @@ _REAL_FIXTURES = {"seaweed", "hf_checkpoints", "temporal"}
 _sources: dict[str, str] = {}
 
 
+# `make test` runs two pytest-xdist workers, a file at a time each (--dist loadgroup). Files that
+# build network namespaces share one worker: a topology's gateway holds the fleet's subnet on this
+# machine, and their tests check that no namespace of theirs is left.
+_NETNS = {"test_netns.py", "test_rollout_network.py", "test_training.py"}
+# the longest files first, so that neither worker is left with one at the end
+_LONGEST = ["test_training_workflow.py", "test_vllm_engine.py", "test_cli_bench.py", "test_rollout_controls.py",
+            "test_training_swarm.py", "test_training_llama.py", "test_fuzz_http.py"]
+
+
+def pytest_configure(config):
+    worker, workers = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if worker and workers and PORTS_ENV not in os.environ:
+        # each worker's stacks pick their ports from a range of their own (lib/ports.py)
+        ports, i, n = port_range(), int(worker.removeprefix("gw")), int(workers)
+        share = len(ports) // n
+        os.environ[PORTS_ENV] = f"{ports.start + i * share}-{ports.start + (i + 1) * share - 1}"
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         path = str(item.fspath)
@@ -99,3 +119,7 @@ def pytest_collection_modifyitems(config, items):
                 _sources[path] = f.read()
         if set(item.fixturenames) & _REAL_FIXTURES or any(w in _sources[path] for w in _REAL):
             item.add_marker(pytest.mark.integration)
+        name = Path(path).name
+        item.add_marker(pytest.mark.xdist_group("netns" if name in _NETNS else name))
+    rank = {name: i for i, name in enumerate(_LONGEST)}
+    items.sort(key=lambda item: rank.get(Path(str(item.fspath)).name, len(rank)))     # stable: file order kept

@@ -12,7 +12,7 @@ from peerd import manifest as mf
 from peerd.client import PeerdClient
 from peerd.origin import OriginSpec, S3Origin
 from weightcast.stack.peerd_proc import PeerdProc, fleet_args
-from weightcast.stack.ports import free_ports
+from lib.ports import free_ports
 from weightcast.stack.seaweed import ACCESS_KEY, SECRET_KEY
 
 TOKEN = "test-token"

@@ -6,8 +6,8 @@ import asyncio
 import json
 import os
 import signal
-import socket
 
+from lib.ports import free_ports
 from training.config import TrainConfig
 from training.fork_server import ForkServer
 from tests.waiting import until
@@ -15,9 +15,7 @@ from tests.waiting import until
 
 def waiting_rank(tmp_path, name: str) -> tuple:
     """Rank 0 of a world of two whose peer never comes: it waits in the rendezvous, using no CPU."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_ports(1)[0]
     d = tmp_path / name
     d.mkdir()
     spec = d / "spec.json"

@@ -14,7 +14,7 @@ from peerd.have_stream import RETRY_LINK_S, HaveLinks
 from peerd.membership import Member
 from peerd.wire import pack_bits
 from tests.fleet import TOKEN, Fleet, publish
-from weightcast.stack.ports import free_ports
+from lib.ports import free_ports
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 POLICY_VIOLATION = 1008

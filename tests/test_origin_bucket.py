@@ -7,7 +7,7 @@ import uuid
 import pytest
 
 from peerd.origin import OriginError, OriginSpec, S3Origin
-from weightcast.stack.ports import free_ports
+from lib.ports import free_ports
 from weightcast.stack.seaweed import ACCESS_KEY, SECRET_KEY
 
 

@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from weightcast.stack.ports import free_ports
+from lib.ports import free_ports
 from lib.processes import child_options, stop_process
 
 

@@ -23,7 +23,7 @@ from serving.model import init_model
 from training.config import TrainConfig
 from training.launch import launch
 from training.rank import held_out_loss
-from weightcast.stack.ports import free_ports
+from lib.ports import free_ports
 from weightcast.stack.temporal import SEARCH_ATTRIBUTES, temporal_binary
 from workers import control_worker
 from workflows.training import TrainingWorkflow
@@ -241,7 +241,7 @@ async def test_the_cli_starts_watches_and_reports_a_run(tmp_path, keys, capsys, 
 
 
 async def test_ranks_train_on_while_the_temporal_server_is_down(tmp_path, keys):
-    from weightcast.stack.ports import free_ports
+    from lib.ports import free_ports
     port = free_ports(1)[0]
 
     async def server():

@@ -26,7 +26,7 @@ from serving.server import ModelServer, make_app as server_app, make_engine
 from serving.trust import ManifestTrust
 from weightcast.stack.module_proc import ModuleProc
 from weightcast.stack.peerd_proc import PeerdProc, fleet_args
-from weightcast.stack.ports import free_ports
+from lib.ports import free_ports
 from lib.processes import describe_exit, stop_processes
 from weightcast.stack.seaweed import SeaweedS3
 from weightcast.stack.supervisor import Supervisor

@@ -9,7 +9,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from weightcast.stack.ports import free_ports
+from lib.ports import free_ports
 from lib.processes import child_options, stop_process
 from weightcast.stack.processes import venv_binary
 
