@@ -246,10 +246,13 @@ class TrainingWorkflow:
                                                   timeout=timedelta(seconds=inp.heartbeat_timeout_s + 2))
                 except asyncio.TimeoutError:
                     pass
-            # the cause: a silent host if any, else the first rank to fail; the others fail because it did
+            # the cause: a silent host if any, else a rank killed by a signal (its peers' collectives
+            # break at once and may be reported first), else the first rank to fail; the others fail
+            # because it did. Only the recovery's record depends on which: every rank restarts alike
             failures = [i for i, h in enumerate(handles) if h.done() and not h.cancelled() and h.exception() is not None]
             failed = next((i for i in failures if isinstance(handles[i].exception().__cause__, TimeoutError)),
-                          next(i for i in failures if handles[i].exception() is first))
+                          next((i for i in failures if _killed_by_signal(handles[i].exception())),
+                               next(i for i in failures if handles[i].exception() is first)))
         else:                                     # histories recorded before the patch
             failed = next(i for i, h in enumerate(handles) if h.done() and h.exception() is not None)
         for h in handles:
@@ -281,5 +284,10 @@ class TrainingWorkflow:
 def _exited_with_error(err: ActivityError) -> bool:
     """A rank process that ended with an error status (not killed by a signal, not a silent host)."""
     cause = err.__cause__
-    return (isinstance(cause, ApplicationError) and cause.type == "RankFailed"
-            and not (cause.details and isinstance(cause.details[0], dict) and cause.details[0].get("signal")))
+    return isinstance(cause, ApplicationError) and cause.type == "RankFailed" and not _killed_by_signal(err)
+
+
+def _killed_by_signal(err: ActivityError) -> bool:
+    cause = err.__cause__
+    return (isinstance(cause, ApplicationError) and cause.type == "RankFailed" and bool(cause.details)
+            and isinstance(cause.details[0], dict) and bool(cause.details[0].get("signal")))
