@@ -48,7 +48,7 @@ demo: $(STAMP) $(VLLM_STAMP)
 # TEST_WORKERS=0 runs the suite in one process
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # units, property tests and pure logic: no servers, daemons, ranks or namespaces (in addition to `make test`)
 test-fast: $(STAMP)

@@ -36,6 +36,7 @@ from pathlib import Path
 
 SUBNET = "10.200"
 PAYLOAD_SHARE = 1448 / 1514        # TCP payload per Ethernet frame at MTU 1500 (timestamps on): ~95.6 %
+_TAGS: set[str] = set()            # every topology this process has brought up (``made_here``)
 
 
 class NetnsError(RuntimeError):
@@ -120,6 +121,7 @@ class Topology:
 
     # ------------------------------------------------------------------ build
     def up(self) -> "Topology":
+        _TAGS.add(self.tag)
         atexit.register(self.down)
         if self._previous_sigterm is None and threading.current_thread() is threading.main_thread():
             self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -299,6 +301,12 @@ def _links_on(prefix: str) -> list[str]:
     """This namespace's devices with a route to ``prefix``."""
     routes = json.loads(ip("-j", "route", "show", prefix).stdout or "[]")
     return [r.get("dev", "") for r in routes]
+
+
+def made_here() -> set[str]:
+    """The namespaces of this process's topologies that exist now (none once each is down): other
+    processes' topologies on the same machine are not counted."""
+    return {n for n in existing_namespaces() if n.split("-", 1)[0] in _TAGS}
 
 
 def existing_namespaces() -> set[str]:

@@ -93,11 +93,8 @@ _REAL_FIXTURES = {"seaweed", "hf_checkpoints", "temporal"}
 _sources: dict[str, str] = {}
 
 
-# `make test` runs two pytest-xdist workers, a file at a time each (--dist loadgroup). Files that
-# build network namespaces share one worker: a topology's gateway holds the fleet's subnet on this
-# machine, and their tests check that no namespace of theirs is left.
-_NETNS = {"test_netns.py", "test_rollout_network.py", "test_training.py"}
-# the longest files first, so that neither worker is left with one at the end
+# `make test` runs two pytest-xdist workers, a file at a time each (--dist loadfile), the longest
+# files first, so that neither worker is left with one at the end
 _LONGEST = ["test_training_workflow.py", "test_vllm_engine.py", "test_cli_bench.py", "test_rollout_controls.py",
             "test_training_swarm.py", "test_training_llama.py", "test_fuzz_http.py"]
 
@@ -119,7 +116,5 @@ def pytest_collection_modifyitems(config, items):
                 _sources[path] = f.read()
         if set(item.fixturenames) & _REAL_FIXTURES or any(w in _sources[path] for w in _REAL):
             item.add_marker(pytest.mark.integration)
-        name = Path(path).name
-        item.add_marker(pytest.mark.xdist_group("netns" if name in _NETNS else name))
     rank = {name: i for i, name in enumerate(_LONGEST)}
     items.sort(key=lambda item: rank.get(Path(str(item.fspath)).name, len(rank)))     # stable: file order kept
