@@ -155,8 +155,8 @@ async def test_a_stopped_job_counts_every_chunk_its_bitmap_holds(tmp_path, seawe
             stops, fetched = 0, 0
             while (st := await c.start_job(doc, origin, seeders=["x"]))["state"] != "complete":
                 before = st["chunks_done"]
-                while (await c.job(m.digest))["chunks_done"] == before:      # stopped just after a chunk
-                    await asyncio.sleep(0.005)
+                while (now := await c.job(m.digest))["chunks_done"] == before and now["state"] == "fetching":
+                    await asyncio.sleep(0.005)                              # stopped just after a chunk
                 st = await c.stop_job(m.digest, "test")
                 if st["state"] == "complete":
                     break
