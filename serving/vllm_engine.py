@@ -25,6 +25,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,6 +85,7 @@ class VllmEngine:
         self.idle: dict[str, Server] = {}          # model -> a drained server kept for an in-place reload
         self.last_load: dict[str, object] = {}      # how the last load went: "in_place" or "cold", seconds
         self.rpc_dir: str | None = None           # the servers' ZMQ sockets; removed by stop_all
+        self._remove_rpc_dir: weakref.finalize | None = None
 
     def device(self) -> str:
         return "vllm"
@@ -134,6 +136,8 @@ class VllmEngine:
             cmd += ["--optimization-level", str(self.optimization_level)]
         if self.rpc_dir is None:       # short (a socket path has 107 bytes) and this engine's own
             self.rpc_dir = tempfile.mkdtemp(prefix="weightcast-vllm-")
+            # removed by stop_all, else when the engine is collected or the process exits
+            self._remove_rpc_dir = weakref.finalize(self, shutil.rmtree, self.rpc_dir, ignore_errors=True)
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_RPC_BASE_PATH": self.rpc_dir,
                "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
         with open(log, "ab") as out:
@@ -234,6 +238,6 @@ class VllmEngine:
             stop_process(server.proc)
         self.servers.clear()
         self.idle.clear()
-        if self.rpc_dir is not None:   # a killed server leaves its sockets behind
-            shutil.rmtree(self.rpc_dir)
-            self.rpc_dir = None
+        if self._remove_rpc_dir is not None:    # a killed server leaves its sockets behind
+            self._remove_rpc_dir()
+            self.rpc_dir = self._remove_rpc_dir = None
