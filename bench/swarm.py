@@ -269,10 +269,9 @@ async def _run(cfg: SwarmBenchConfig, net: Topology | None, progress=None) -> di
                 "origin_cpu_s": origin_cpu,
                 "origin_cpu_s_per_gib_served": origin_cpu / max(1e-9, origin_bytes / 2**30),
                 "machine_cores": os.cpu_count(),
-                # chunks counted for more than one source (must be 0); endgame's second sources whose
-                # copy arrived after the first (both requested while the chunk was missing) are apart
-                "refetched_bytes": sum(max(0, sum(last[i]["bytes_by_source"].values()) - m.total_size)
-                                       for i in survivors if i in last),
+                # chunks requested again after they were verified (must be 0); endgame's second sources
+                # whose copy arrived after the first (both requested while the chunk was missing) are apart
+                "refetched_bytes": sum(last[i]["refetched_bytes"] for i in survivors if i in last),
                 "endgame_duplicate_bytes": sum(last[i]["duplicate_bytes"] for i in survivors if i in last)}
     finally:
         for p in procs:

@@ -39,9 +39,10 @@ def port_range() -> range:
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     """``n`` distinct ports nothing listens on at ``host`` (an address of this machine) right now."""
     candidates = port_range()
+    tries = _random.sample(candidates, min(len(candidates), max(4 * n, 64)))
     socks, ports = [], []
     try:
-        for port in _random.sample(candidates, min(len(candidates), max(4 * n, 64))):
+        for port in tries:
             if len(ports) == n:
                 break
             s = socket.socket()
@@ -56,5 +57,5 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
         for s in socks:
             s.close()
     if len(ports) < n:
-        raise OSError(f"no {n} free ports in {candidates.start}-{candidates.stop - 1}")
+        raise OSError(f"no {n} free ports among {len(tries)} tried in {candidates.start}-{candidates.stop - 1}")
     return ports

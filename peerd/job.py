@@ -49,6 +49,7 @@ class FetchJob:
         self.last_progress = self.started        # wall time of the last verified chunk (stuck detection)
         self.bytes = {"peer": 0, "origin": 0, "local": 0}
         self.duplicate_bytes = 0                 # received for a chunk verified meanwhile (endgame's second source)
+        self.refetched_bytes = 0                 # requested again after it was verified here (must stay 0)
         self.policy: SwarmPolicy | None = None
         cfg = host.config.policy
         # kept up to every request the policy may have in flight at once (peers, origin, endgame):
@@ -175,6 +176,8 @@ class FetchJob:
                 raise self._fatal
             now = loop.time()
             for r in self.policy.next_requests(now):
+                if self.vs.bits[r.chunk]:
+                    self.refetched_bytes += self.m.chunks[r.chunk].size
                 self._tasks[(r.chunk, r.source)] = asyncio.create_task(self._fetch(r))
             if now >= next_tick:
                 self.policy.tick(now)
@@ -240,7 +243,7 @@ class FetchJob:
         c = self.m.chunks[r.chunk]
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        reason = label = None
+        reason = label = commit = None
         buf = None
         try:
             data = buf = self.buffers.take(c.size)
@@ -256,7 +259,10 @@ class FetchJob:
             commit.add_done_callback(self._commits.discard)
             await asyncio.shield(commit)         # a cancel from here on leaves the write to finish
         except asyncio.CancelledError:
-            self.policy.chunk_failed(r.chunk, r.source, "cancelled", loop.time())
+            if commit is None:
+                self.policy.chunk_failed(r.chunk, r.source, "cancelled", loop.time())
+            else:                                # the write goes on: the policy hears how it ends
+                commit.add_done_callback(partial(self._committed_after_cancel, r, t0))
             raise
         except (ChunkDigestMismatch, WrongLength) as e:
             reason = "corrupt"
@@ -288,6 +294,15 @@ class FetchJob:
             self._cancel(self.policy.chunk_failed(r.chunk, r.source, reason, now))
             return
         self._cancel(self.policy.chunk_done(r.chunk, r.source, c.size, now - t0, now))
+
+    def _committed_after_cancel(self, r: Request, t0: float, commit: asyncio.Task) -> None:
+        """A chunk whose fetch was cancelled (a peer declared dead, a stop) while it was being written:
+        verified, the policy counts it held, or it would ask for the chunk again."""
+        now = asyncio.get_running_loop().time()
+        if commit.cancelled() or commit.exception() is not None:
+            self.policy.chunk_failed(r.chunk, r.source, "cancelled", now)
+        else:
+            self._cancel(self.policy.chunk_done(r.chunk, r.source, self.m.chunks[r.chunk].size, now - t0, now))
 
     async def _commit(self, r: Request, data: memoryview) -> None:
         """Verify and write a received chunk, then count it (its own task: a cancel does not drop it)."""
@@ -341,7 +356,7 @@ class FetchJob:
                 "chunks_total": len(self.m.chunks), "chunks_done": self.vs.done_chunks,
                 "bytes_total": self.m.total_size, "bytes_done": done, "bytes_by_source": dict(self.bytes),
                 "files_total": len(self.m.files), "files_ready": self.vs.files_ready(),
-                "duplicate_bytes": self.duplicate_bytes,
+                "duplicate_bytes": self.duplicate_bytes, "refetched_bytes": self.refetched_bytes,
                 "origin_reads": self.policy.origin_reads if self.policy else 0,
                 "buffers_allocated": self.buffers.allocated,
                 "started": self.started, "finished": self.finished, "last_progress": self.last_progress,

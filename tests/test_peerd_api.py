@@ -171,5 +171,6 @@ async def test_a_stopped_job_counts_every_chunk_its_bitmap_holds(tmp_path, seawe
         assert stops >= 3, stops
         assert st["state"] == "complete" and host_files_match(fleet, "x", m, ckpt)
         assert fetched + st["bytes_by_source"]["origin"] == m.total_size       # each chunk fetched once
+        assert st["refetched_bytes"] == 0
     finally:
         fleet.stop()

@@ -41,7 +41,7 @@ def test_a_given_range_is_kept_and_a_port_in_use_is_skipped(monkeypatch):
         s = held.pop(1)
         s.close()                                             # the one port nothing holds
         assert free_ports(1) == [low + 1]
-        with pytest.raises(OSError, match=f"no 2 free ports in {low}-{low + 2}"):
+        with pytest.raises(OSError, match=f"no 2 free ports among 3 tried in {low}-{low + 2}"):
             free_ports(2)
     finally:
         for s in held:
