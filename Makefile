@@ -45,9 +45,10 @@ demo: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/weightcast demo --engine vllm
 
 # two workers, a file at a time each (tests/conftest.py says how files are grouped and ordered);
-# TEST_WORKERS=0 runs the suite in one process
+# TEST_WORKERS=0 runs the suite in one process. The vLLM virtualenv is made first, so that its install
+# (a minute or more) is not counted against the timeout of the first test that starts vLLM.
 TEST_WORKERS ?= 2
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # units, property tests and pure logic: no servers, daemons, ranks or namespaces (in addition to `make test`)

@@ -16,7 +16,7 @@ def test_bench_load_reports_both_throughputs(capsys):
     assert r["load_over_read"] > 0 and r["load_over_hash_bound"] > 0
 
 
-def test_sim_prints_the_brief_comparison(capsys):
+def test_sim_prints_the_swarm_against_a_naive_pull_and_a_bound(capsys):
     assert main(["sim", "--hosts", "30", "--size", "30GB", "--chunk", "1GB", "--racks", "3",
                  "--seeders", "3", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)

@@ -17,7 +17,7 @@ from peerd.sim.topology import build
 CHUNK = 64 * 2**20
 
 
-def test_brief_baselines():
+def test_analytic_baselines_of_400_GB_to_200_hosts():
     b = analytic_baselines(200, 400e9, 10e9 / 8, 10e9 / 8)
     assert b["lower_bound_s"] == 320
     assert round(b["naive_pull_s"] / 3600, 1) == 17.8       # ~18 h
