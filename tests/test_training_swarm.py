@@ -13,6 +13,7 @@ import pytest
 from temporalio.testing import WorkflowEnvironment
 
 from lib.atomic import write_atomic
+from peerd.client import PeerdClient
 from tests.fleet import TOKEN, Fleet
 from tests.test_training_workflow import plain_loss
 from tests.training_fixtures import CONFIG, hosts, progress
@@ -100,13 +101,14 @@ async def test_a_step_whole_in_this_hosts_peerd_but_never_laid_out_is_laid_out_b
         write_atomic(step / MERGED, mark_bytes(100, [json.loads(raw)]))
         store = tmp_path / "h" / "store"
         first = CheckpointSwarm("r", root, fleet.procs["h"].addr, TOKEN, store)
-        [(_, st)] = await first._pass()                      # seeded: peerd verifies the files in place
+        async with PeerdClient(fleet.procs["h"].addr, TOKEN) as c:
+            m = await first._seed(c, step)                   # as a pass seeds it: peerd verifies the files in place
         async with fleet.client("h") as c:
-            assert (await c.wait(st["version_id"], 30))["state"] == "complete"
+            assert (await c.wait(m.digest, 30))["state"] == "complete"
         assert not (step / MARK).exists()                    # the worker went before its next pass
 
         got = await CheckpointSwarm("r", root, fleet.procs["h"].addr, TOKEN, store).restore_newest()
-        assert got["step"] == 100 and got["version_id"] == st["version_id"]
+        assert got["step"] == 100 and got["version_id"] == m.digest
         assert (step / MARK).is_file() and check(step) is None
     finally:
         fleet.stop()
