@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,9 +95,11 @@ _sources: dict[str, str] = {}
 
 
 # `make test` runs two pytest-xdist workers, a file at a time each (--dist loadfile), the longest
-# files first, so that neither worker is left with one at the end
-_LONGEST = ["test_training_workflow.py", "test_vllm_engine.py", "test_cli_bench.py", "test_rollout_controls.py",
-            "test_training_swarm.py", "test_training_llama.py", "test_fuzz_http.py"]
+# files first (by their wall time in a two-worker run), so that neither worker is left with one at the end
+_LONGEST = ["test_vllm_engine.py", "test_training_workflow.py", "test_cli_bench.py", "test_rollout_controls.py",
+            "test_rollout_network.py", "test_training_llama.py", "test_rollout_faults.py", "test_publish_dev.py",
+            "test_training.py", "test_full_size_rollout.py", "test_peerd_swarm.py", "test_rollout_shape.py",
+            "test_training_swarm.py", "test_sim.py", "test_fuzz_http.py"]
 
 
 def pytest_configure(config):
@@ -106,6 +109,14 @@ def pytest_configure(config):
         ports, i, n = port_range(), int(worker.removeprefix("gw")), int(workers)
         share = len(ports) // n
         os.environ[PORTS_ENV] = f"{ports.start + i * share}-{ports.start + (i + 1) * share - 1}"
+    if worker and workers and "OMP_NUM_THREADS" not in os.environ:
+        # each worker's torch (in process, and in the servers and engines it starts) gets its share of the
+        # cores: two workers with a full-width OpenMP pool each oversubscribe them, and the pools' spinning
+        # cost about 12 % of the suite's CPU-seconds. Training ranks set their own count (training/rank.py).
+        threads = max(1, (os.cpu_count() or 1) // int(workers))
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        if "torch" in sys.modules:
+            sys.modules["torch"].set_num_threads(threads)
 
 
 def pytest_collection_modifyitems(config, items):
