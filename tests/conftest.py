@@ -94,8 +94,8 @@ _REAL_FIXTURES = {"seaweed", "hf_checkpoints", "temporal"}
 _sources: dict[str, str] = {}
 
 
-# `make test` runs two pytest-xdist workers, a file at a time each (--dist loadfile), the longest
-# files first (by their wall time in a two-worker run), so that neither worker is left with one at the end
+# `make test` runs pytest-xdist workers, a file at a time each (--dist loadfile), the longest files
+# first (by their wall time in a two-worker run), so that no worker is left with one at the end
 _LONGEST = ["test_vllm_engine.py", "test_training_workflow.py", "test_cli_bench.py", "test_rollout_controls.py",
             "test_rollout_network.py", "test_training_llama.py", "test_rollout_faults.py", "test_publish_dev.py",
             "test_training.py", "test_full_size_rollout.py", "test_peerd_swarm.py", "test_rollout_shape.py",
@@ -111,7 +111,7 @@ def pytest_configure(config):
         os.environ[PORTS_ENV] = f"{ports.start + i * share}-{ports.start + (i + 1) * share - 1}"
     if worker and workers and "OMP_NUM_THREADS" not in os.environ:
         # each worker's torch (in process, and in the servers and engines it starts) gets its share of the
-        # cores: two workers with a full-width OpenMP pool each oversubscribe them, and the pools' spinning
+        # cores: workers with a full-width OpenMP pool each oversubscribe them, and the pools' spinning
         # cost about 12 % of the suite's CPU-seconds. Training ranks set their own count (training/rank.py).
         threads = max(1, (os.cpu_count() or 1) // int(workers))
         os.environ["OMP_NUM_THREADS"] = str(threads)
