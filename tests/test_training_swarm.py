@@ -13,7 +13,7 @@ import pytest
 from temporalio.testing import WorkflowEnvironment
 
 from lib.atomic import write_atomic
-from peerd.client import PeerdClient
+from lib.ports import free_ports
 from tests.fleet import TOKEN, Fleet
 from tests.test_training_workflow import plain_loss
 from tests.training_fixtures import CONFIG, hosts, progress
@@ -78,8 +78,6 @@ async def test_a_replacement_host_gets_the_checkpoint_from_its_peers(tmp_path, k
 async def test_a_host_whose_peerd_is_down_resumes_from_its_own_checkpoints(tmp_path, caplog):
     """No answer from this host's peerd: nothing fetched, said in the log, and the rank starts anyway
     (from whatever whole checkpoints this host has)."""
-    from training.checkpoint_swarm import CheckpointSwarm
-    from lib.ports import free_ports
     swarm = CheckpointSwarm("r", tmp_path / "ckpt", f"http://127.0.0.1:{free_ports(1)[0]}", "t", tmp_path / "store")
     assert await swarm.restore_newest() is None
     assert "did not answer" in caplog.text and "own checkpoints" in caplog.text
@@ -101,9 +99,8 @@ async def test_a_step_whole_in_this_hosts_peerd_but_never_laid_out_is_laid_out_b
         write_atomic(step / MERGED, mark_bytes(100, [json.loads(raw)]))
         store = tmp_path / "h" / "store"
         first = CheckpointSwarm("r", root, fleet.procs["h"].addr, TOKEN, store)
-        async with PeerdClient(fleet.procs["h"].addr, TOKEN) as c:
-            m = await first._seed(c, step)                   # as a pass seeds it: peerd verifies the files in place
         async with fleet.client("h") as c:
+            m = await first._seed(c, step)                   # as a pass seeds it: peerd verifies the files in place
             assert (await c.wait(m.digest, 30))["state"] == "complete"
         assert not (step / MARK).exists()                    # the worker went before its next pass
 
