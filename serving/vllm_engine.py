@@ -36,6 +36,7 @@ from serving.footprint import KV_CACHE_TOKENS, footprint
 from serving.golden import GoldenError, GoldenMismatch, check as check_golden
 from serving.hf_engine import CONFIG, checked_hf_files
 from serving.loader import LoadError
+from serving.verified_read import VerifiedFiles
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -43,6 +44,17 @@ REPO = Path(__file__).resolve().parent.parent
 def vllm_python() -> str:
     """The interpreter of the vLLM virtualenv: $WEIGHTCAST_VLLM_PYTHON, else the project's .venv-vllm."""
     return os.environ.get("WEIGHTCAST_VLLM_PYTHON") or str(REPO / ".venv-vllm" / "bin" / "python")
+
+
+def frame_digest(files: VerifiedFiles) -> str:
+    """The digest of every verified file but the weights (config, tokenizer, generation and chat
+    settings): what a server keeps from its start, so two versions with the same frame differ in
+    weights alone and the second may be reloaded into the first's server."""
+    frame = hashlib.sha256()
+    for rel, data in files.read_each(sorted(files.files)):
+        if not rel.endswith((".safetensors", ".safetensors.index.json")):
+            frame.update(rel.encode() + b"\0" + bytes(data) + b"\0")
+    return frame.hexdigest()
 
 
 @dataclass
@@ -96,20 +108,17 @@ class VllmEngine:
         config = bytes(files.read(CONFIG))
         need = footprint(json.loads(config), weights, self.kv_cache_tokens, self.dtype)
         need.check(f"{key.model} {key.version}", memory_budget, in_use)     # before a byte more is read
-        frame = hashlib.sha256()                     # every byte hashed here; vLLM then reads the verified files
-        for rel, data in files.read_each(sorted(files.files)):
-            if not rel.endswith((".safetensors", ".safetensors.index.json")):
-                frame.update(rel.encode() + b"\0" + bytes(data) + b"\0")
+        frame = frame_digest(files)                  # every byte hashed here; vLLM then reads the verified files
         t0 = time.monotonic()
         server = self.idle.pop(key.model, None)
-        if (server is not None and server.frame == frame.hexdigest() and server.proc.poll() is None
+        if (server is not None and server.frame == frame and server.proc.poll() is None
                 and self._drained(server)):
             self._reload(server, model_dir, key)
             how = "in_place"
         else:
             if server is not None:
                 stop_process(server.proc)
-            server = self.start_server(key, model_dir, frame.hexdigest(), need.kv_cache)
+            server = self.start_server(key, model_dir, frame, need.kv_cache)
             how = "cold"
         try:
             check_golden(lambda ids, n: self._greedy(server, ids, n), golden)

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import asyncio
+import fcntl
+import json
 import os
 import sys
 import uuid
@@ -9,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from lib.atomic import write_atomic
 from lib.ports import ENV as PORTS_ENV, port_range, free_ports
 from peerd import manifest as mf
 from peerd.signing import generate_keypair, load_private_key, load_public_key
@@ -75,15 +78,26 @@ def temporal(temporal_server):
 
 @pytest.fixture(scope="session")
 def hf_checkpoints(tmp_path_factory):
-    """One small trained Hugging Face checkpoint per architecture (bf16, sharded), built once, with its
-    golden prompts: {arch: (directory, golden record)}."""
+    """One small trained Hugging Face checkpoint per architecture (bf16, sharded) with its golden prompts:
+    {arch: (directory, golden record)}. Built once per run (~20 CPU-seconds): the first pytest-xdist
+    worker to need them builds them under the run's shared temporary directory, the others wait on its
+    lock and read them. Tests only read them."""
     from serving import golden, hf_build
-    root = tmp_path_factory.mktemp("hf")
-    out = {}
-    for i, arch in enumerate(hf_build.ARCHITECTURES):
-        d = hf_build.build(arch, root / arch, seed=i)
-        out[arch] = (d, golden.record(d))
-    return out
+    run_tmp = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        run_tmp = run_tmp.parent            # each worker's base directory is beneath the run's
+    root = run_tmp / "hf-checkpoints"
+    root.mkdir(exist_ok=True)
+    records = root / "golden.json"
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not records.exists():
+            goldens = {}
+            for i, arch in enumerate(hf_build.ARCHITECTURES):
+                goldens[arch] = golden.record(hf_build.build(arch, root / arch, seed=i))
+            write_atomic(records, json.dumps(goldens))
+    goldens = json.loads(records.read_text())
+    return {arch: (root / arch, goldens[arch]) for arch in hf_build.ARCHITECTURES}
 
 
 # What makes a test an integration test: it starts real processes (servers, daemons, ranks, engines)
