@@ -4,7 +4,7 @@ like the host activities stand in for peerd and the model servers (one worker se
 queue), so what is measured is Temporal's side: the largest payload any history recorded, the
 longest history, the heaviest history, and the wall time. The manifest is a full-size one (6,400
 chunks) and the host list travels by reference (``InventoryRef``), both read by the real control
-worker from SeaweedFS."""
+worker (a process of its own, `python -m workers.control_worker`) from SeaweedFS."""
 from __future__ import annotations
 
 import asyncio
@@ -21,16 +21,16 @@ from pathlib import Path
 from temporalio import activity
 from temporalio.api.enums.v1 import EventType
 from temporalio.exceptions import ApplicationError
-from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
 from activities import inventory
 from peerd import manifest as mf
+from lib.ports import free_ports
 from peerd.origin import OriginSpec, S3Origin
 from weightcast.checkpoint_random import write_random_checkpoint
+from weightcast.stack.module_proc import ModuleProc
 from weightcast.stack.seaweed import ACCESS_KEY, SECRET_KEY
-from weightcast.stack.temporal import SEARCH_ATTRIBUTES, temporal_binary
-from workers import control_worker
+from weightcast.stack.temporal import TemporalDevServer
 from workflows.rollout import RolloutWorkflow
 from workflows.types import (CONTROL_QUEUE, DistributeInput, DistributeResult, HostSpec, LoadInput, ManifestRef,
                              RolloutInput)
@@ -101,26 +101,50 @@ def fleet_specs(hosts: int, racks: int) -> list[HostSpec]:
 @contextlib.asynccontextmanager
 async def light_rollout(work: Path, endpoint: str, bucket: str, keys: dict, hosts: int, racks: int, max_loads: int,
                         max_history_events: int, by_reference: bool = True):
-    """A rollout of ``hosts`` light hosts on a fresh dev server, run to its end: yields (env, fleet,
+    """A rollout of ``hosts`` light hosts on a fresh dev server, run to its end: yields (client, fleet,
     workflow id, result, final status, wall seconds) while the server is still up. ``keys``: the
     signing key pair ({"private", "pub_path"})."""
     origin, ref, fleet_fields = await publish(work, endpoint, bucket, keys["private"], fleet_specs(hosts, racks),
                                               by_reference)
     fleet = LightFleet()
-    async with await WorkflowEnvironment.start_local(dev_server_existing_path=temporal_binary(),
-                                                     search_attributes=SEARCH_ATTRIBUTES) as env:
+    # the project's own dev server (in memory): its output goes to its log, never into the JSON printed
+    server = TemporalDevServer(free_ports(1)[0], None, work / "temporal.log").launch()
+    try:
+        client = await server.wait_ready()
         inp = RolloutInput(model="tiny", version="v1", signed_manifest="", origin=origin, manifest=ref,
                            max_concurrent_loads=max_loads, batch_size=200, max_history_events=max_history_events,
                            **fleet_fields)
         wid = f"rollout-shape-{uuid.uuid4().hex[:6]}"
-        async with control_worker.build(env.client, [keys["pub_path"]], (ACCESS_KEY, SECRET_KEY)), \
-                Worker(env.client, task_queue=FLEET_QUEUE, activities=[fleet.distribute, fleet.load_version],
-                       max_concurrent_activities=400):
-            t0 = time.monotonic()
-            handle = await env.client.start_workflow(RolloutWorkflow.run, inp, id=wid, task_queue=CONTROL_QUEUE)
-            result = await asyncio.wait_for(handle.result(), 1800)
-            wall = time.monotonic() - t0
-            yield env, fleet, wid, result, await handle.query(RolloutWorkflow.status), wall
+        # the real control worker, a process of its own as in production (not sharing a GIL with the
+        # light fleet's hundreds of activities)
+        control = ModuleProc("control worker", "workers.control_worker", work / "control",
+                             ["--temporal", server.address, "--trusted-key", str(keys["pub_path"])],
+                             {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY})
+        try:
+            await asyncio.to_thread(control.start, 60)
+            async with Worker(client, task_queue=FLEET_QUEUE, activities=[fleet.distribute, fleet.load_version],
+                              max_concurrent_activities=400):
+                t0 = time.monotonic()
+                handle = await client.start_workflow(RolloutWorkflow.run, inp, id=wid, task_queue=CONTROL_QUEUE)
+                result = await asyncio.wait_for(_result_while_alive(handle, control), 1800)
+                wall = time.monotonic() - t0
+                yield client, fleet, wid, result, await handle.query(RolloutWorkflow.status), wall
+        finally:
+            control.stop()
+        if control.proc.returncode != 0:           # reached only when nothing else failed
+            raise RuntimeError(f"the control worker did not stop cleanly on SIGTERM: {control.death()}")
+    finally:
+        server.stop()
+
+
+async def _result_while_alive(handle, proc: ModuleProc):
+    """The workflow's result; RuntimeError with its last words if ``proc`` dies before it."""
+    result = asyncio.ensure_future(handle.result())
+    while not (await asyncio.wait({result}, timeout=1.0))[0]:
+        if not proc.running:
+            result.cancel()
+            raise RuntimeError(f"the control worker died: {proc.death()}")
+    return result.result()
 
 
 def payload_sizes(history) -> list[int]:
@@ -171,8 +195,8 @@ async def run_rollout_shape(hosts: int, racks: int, max_loads: int, max_history_
     s3 = SeaweedS3(work / "s3").start()
     try:
         async with light_rollout(work, s3.endpoint, s3.bucket, keys, hosts, racks, max_loads,
-                                 max_history_events) as (env, fleet, wid, result, st, wall):
-            shape = await history_shape(env.client, wid)
+                                 max_history_events) as (client, fleet, wid, result, st, wall):
+            shape = await history_shape(client, wid)
         return {"hosts": hosts, "racks": racks, "manifest_chunks": MANIFEST_CHUNKS, "inventory": "by reference",
                 "ready": len(result["ready"]), "phase": st.phase, "states": st.counts,
                 "errors": dict(list(result["errors"].items())[:5]), "wall_s": round(wall, 1), **shape,

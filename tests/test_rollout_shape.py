@@ -13,12 +13,12 @@ MAX_LOADS = 40
 
 async def test_two_thousand_hosts_within_temporal_limits(tmp_path, seaweed, keys):
     async with light_rollout(tmp_path, seaweed.endpoint, seaweed.bucket, keys, HOSTS, 25, MAX_LOADS,
-                             4000) as (env, fleet, wid, result, st, wall):
+                             4000) as (client, fleet, wid, result, st, wall):
         assert len(result["ready"]) == HOSTS and fleet.distributed == HOSTS and fleet.loaded == HOSTS
         assert fleet.retried > 0                              # transient failures were retried, not fatal
         assert 1 < fleet.peak_loading <= MAX_LOADS            # the load cap held at fleet size
         assert st.runs > 1 and st.phase == "done"             # the load phase continued-as-new
-        shape = await history_shape(env.client, wid)
+        shape = await history_shape(client, wid)
         print(json.dumps({"hosts": HOSTS, "manifest_chunks": MANIFEST_CHUNKS,
                           **shape, "peak_loading": fleet.peak_loading, "retried": fleet.retried}))
         assert shape["runs"] == st.runs
@@ -35,10 +35,10 @@ async def test_the_load_phase_continues_as_new_and_each_run_replays(tmp_path, se
     run resumes from the carried state (and reads the host list again), and both runs replay (kept as
     golden histories)."""
     async with light_rollout(tmp_path, seaweed.endpoint, seaweed.bucket, keys, 400, 5, 40,
-                             1000) as (env, fleet, wid, result, st, wall):
+                             1000) as (client, fleet, wid, result, st, wall):
         assert len(result["ready"]) == 400 and st.runs > 1 and st.phase == "done"
-        runs = [wf async for wf in env.client.list_workflows(f"WorkflowId = '{wid}'")]
+        runs = [wf async for wf in client.list_workflows(f"WorkflowId = '{wid}'")]
         assert len(runs) == st.runs
         for i, wf in enumerate(sorted(runs, key=lambda w: w.start_time), 1):
-            await replays(env.client.get_workflow_handle(wid, run_id=wf.run_id), f"continue-as-new-run-{i}",
+            await replays(client.get_workflow_handle(wid, run_id=wf.run_id), f"continue-as-new-run-{i}",
                           compress=True)

@@ -27,9 +27,10 @@ def temporal_binary() -> str:
 class TemporalDevServer:
     """``temporal server start-dev`` as a child process whose output goes to its own log file (the
     terminal that runs `make demo` shows weightcast's progress, not the server's WARN lines). State is
-    kept in ``db``: stopped and started again on the same port, the server carries on every workflow."""
+    kept in ``db``: stopped and started again on the same port, the server carries on every workflow.
+    Without ``db`` it is kept in memory (a benchmark's server, gone with it)."""
 
-    def __init__(self, port: int, db: Path, log_path: Path, ui_port: int | None = None, ip: str = "127.0.0.1",
+    def __init__(self, port: int, db: Path | None, log_path: Path, ui_port: int | None = None, ip: str = "127.0.0.1",
                  prefix: tuple[str, ...] = ()):
         # ``prefix`` (``ip netns exec NS``) runs it in a namespace of its own, listening on every address
         # there and reached at ``ip``: the server's own parts dial each other on 127.0.0.1
@@ -39,7 +40,8 @@ class TemporalDevServer:
     def command(self) -> list[str]:
         cmd = [*self.prefix, temporal_binary(), "server", "start-dev", "--ip", "0.0.0.0" if self.prefix else self.ip,
                "--port", str(self.port),
-               "--namespace", "default", "--db-filename", str(self.db), "--log-format", "json", "--log-level", "warn",
+               "--namespace", "default", *(("--db-filename", str(self.db)) if self.db else ()),
+               "--log-format", "json", "--log-level", "warn",
                *(arg for key in SEARCH_ATTRIBUTES for arg in ("--search-attribute", f"{key.name}=Keyword")),
                # what the SDK's own test server turns on: updates (abort, set-concurrency) and no phoning home
                "--dynamic-config-value", "frontend.enableServerVersionCheck=false",
