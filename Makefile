@@ -45,10 +45,10 @@ demo: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/weightcast demo --engine vllm
 
 # two pytest-xdist workers, a file at a time each (tests/conftest.py says how files are grouped and
-# ordered); TEST_WORKERS=0 runs the suite in one process. Three workers on two cores were faster once
-# (11.9 min against 13.1) but load the machine past what the 2,000-host workflow test tolerates
-# (docs/status.md). The vLLM virtualenv is made first, so that its install (a minute or more) is not
-# counted against the timeout of the first test that starts vLLM.
+# ordered); TEST_WORKERS=0 runs the suite in one process. A third worker on two cores saves little
+# (12:05 against 12:29: the run is bound by CPU) and loads the machine past what timing-sensitive tests
+# need (docs/status.md). The vLLM virtualenv is made first, so that its install (a minute or more) is
+# not counted against the timeout of the first test that starts vLLM.
 TEST_WORKERS ?= 2
 test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
