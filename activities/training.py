@@ -19,7 +19,6 @@ import aiohttp
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from training.archive_sync import Archiver
 from training.checkpoint_swarm import CheckpointSwarm
 from training.config import TrainConfig
 from training.control import Control, write
@@ -59,7 +58,11 @@ class TrainingActivities:
             "every_s": inp.checkpoint_every_s,
             "progress": str(progress), "collective_timeout_s": inp.collective_timeout_s,
             "control": str(self._control(inp.run)), "local_checkpoints": swarm is not None}}))
-        archiver = Archiver(inp.archive, root) if inp.archive else None
+        archiver = None
+        if inp.archive:
+            # imported here: the S3 client is a tenth of a host worker's start, and only archiving runs use it
+            from training.archive_sync import Archiver
+            archiver = Archiver(inp.archive, root)
         fetched = None
         if swarm:                                   # a newer checkpoint a peer holds: through the swarm
             fetched = await _beating(swarm.restore_newest(), lambda: {"restoring": True}, self.poll_s)
