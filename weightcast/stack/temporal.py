@@ -28,7 +28,7 @@ class TemporalDevServer:
     """``temporal server start-dev`` as a child process whose output goes to its own log file (the
     terminal that runs `make demo` shows weightcast's progress, not the server's WARN lines). State is
     kept in ``db``: stopped and started again on the same port, the server carries on every workflow.
-    Without ``db`` it is kept in memory (a benchmark's server, gone with it)."""
+    Without ``db`` it is kept in memory (a benchmark's or a test run's server, gone with it)."""
 
     def __init__(self, port: int, db: Path | None, log_path: Path, ui_port: int | None = None, ip: str = "127.0.0.1",
                  prefix: tuple[str, ...] = ()):
