@@ -24,8 +24,8 @@ from temporalio.exceptions import ApplicationError
 from temporalio.worker import Worker
 
 from activities import inventory
-from peerd import manifest as mf
 from lib.ports import free_ports
+from peerd import manifest as mf
 from peerd.origin import OriginSpec, S3Origin
 from weightcast.checkpoint_random import write_random_checkpoint
 from weightcast.stack.module_proc import ModuleProc
@@ -121,7 +121,8 @@ async def light_rollout(work: Path, endpoint: str, bucket: str, keys: dict, host
                              ["--temporal", server.address, "--trusted-key", str(keys["pub_path"])],
                              {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY})
         try:
-            await asyncio.to_thread(control.start, 60)
+            control.launch()                       # from the main thread: it dies with this process
+            await asyncio.to_thread(control.wait_ready, 60)
             async with Worker(client, task_queue=FLEET_QUEUE, activities=[fleet.distribute, fleet.load_version],
                               max_concurrent_activities=400):
                 t0 = time.monotonic()

@@ -34,9 +34,7 @@ def replayer() -> Replayer:
 
 # Workflow tasks processed at once. Their activations run on a thread pool but hold one GIL, so more of
 # them at once add no throughput; they only stretch each one's wall time, which is what the SDK's fixed
-# 2 s deadlock timer measures (TMPRL1101). At 10,000 hosts (`weightcast bench rollout-shape`), four
-# slots against the SDK's default: the longest activation 0.60 s against 0.91 s, the rollout 107.6 s
-# against 122.2 s (docs/control-plane.md).
+# 2 s deadlock timer measures (TMPRL1101). Measured at 10,000 hosts in docs/control-plane.md.
 WORKFLOW_TASK_SLOTS = 4
 
 
