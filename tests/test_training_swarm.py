@@ -84,7 +84,7 @@ async def test_a_host_whose_peerd_is_down_resumes_from_its_own_checkpoints(tmp_p
 
 
 async def test_a_step_whole_in_this_hosts_peerd_but_never_laid_out_is_laid_out_before_the_rank_starts(
-        tmp_path, keys, seaweed):
+        tmp_path, keys, seaweed, caplog):
     """The rank's activity ended (its peer died) after the host's peerd had the merged step whole but
     before the replication pass wrote the step's mark: a restarted host worker lays it out from its
     own peerd, so the rank resumes from that step and not from an older one."""
@@ -100,12 +100,14 @@ async def test_a_step_whole_in_this_hosts_peerd_but_never_laid_out_is_laid_out_b
         store = tmp_path / "h" / "store"
         first = CheckpointSwarm("r", root, fleet.procs["h"].addr, TOKEN, store)
         async with fleet.client("h") as c:
-            m = await first._seed(c, step)                   # as a pass seeds it: peerd verifies the files in place
+            m = await first.offer(c, step)                   # as a pass offers it: peerd verifies the files in place
             assert (await c.wait(m.digest, 30))["state"] == "complete"
         assert not (step / MARK).exists()                    # the worker went before its next pass
 
         got = await CheckpointSwarm("r", root, fleet.procs["h"].addr, TOKEN, store).restore_newest()
         assert got["step"] == 100 and got["version_id"] == m.digest
+        assert got["bytes_from_peers"] == got["bytes_from_origin"] == 0
+        assert "step-00000100 laid out from this host's own peerd" in caplog.text
         assert (step / MARK).is_file() and check(step) is None
     finally:
         fleet.stop()

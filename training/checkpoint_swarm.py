@@ -99,7 +99,7 @@ class CheckpointSwarm:
         async with PeerdClient(self.peerd, self.token) as c:
             for p in merged:
                 if p.name not in self.seeded:
-                    self.seeded[p.name] = await self._seed(c, p)
+                    self.seeded[p.name] = await self.offer(c, p)
             for p in merged:
                 m = self.seeded[p.name]
                 st = await c.job(m.digest)
@@ -131,7 +131,7 @@ class CheckpointSwarm:
         if self._task is not None:
             self._task.cancel()
 
-    async def _seed(self, c: PeerdClient, step_path: Path) -> mf.Manifest:
+    async def offer(self, c: PeerdClient, step_path: Path) -> mf.Manifest:
         """Offer this host's files of a merged checkpoint and start fetching the rest."""
         mark_raw = (step_path / MERGED).read_bytes()
         m = checkpoint_manifest(self.run, step_path, mark_raw)
@@ -185,8 +185,10 @@ class CheckpointSwarm:
             path.mkdir(parents=True, exist_ok=True)
             self._materialize(path, self.store / "versions" / vid / "model", m)
             self.replicated = step
-            log.warning("checkpoint %s fetched from peers through the swarm", path.name,
-                        extra={"step": step, "version_id": vid, "bytes": got})
+            # nothing received: this host's own peerd held it whole (replicated just before the rank ended)
+            source = "fetched from peers through the swarm" if got["peer"] or got["origin"] else \
+                "laid out from this host's own peerd"
+            log.warning("checkpoint %s %s", path.name, source, extra={"step": step, "version_id": vid, "bytes": got})
             return {"step": step, "version_id": vid, "bytes_from_peers": got["peer"], "bytes_from_origin": got["origin"]}
         return None
 
