@@ -48,7 +48,7 @@ def uninterrupted(tmp_path_factory):
 
 async def run_training(tmp_path, keys, temporal, fault, overrides=()):
     async with WorkflowEnvironment.from_client(await temporal.client()) as env:
-        procs = await hosts(env, tmp_path, ["t0", "t1", "t2"])
+        procs = await hosts(env, tmp_path, ["t0", "t1", "t2"], spares=["t2"])
         try:
             run = uuid.uuid4().hex[:6]
             inp = TrainingInput(run=run, config=TrainConfig.load(None, [*CONFIG, *overrides]).to_dict(),
@@ -110,9 +110,12 @@ async def test_sharded_layouts_recover_from_their_sharded_checkpoints(tmp_path, 
 async def test_a_silent_host_loses_its_rank_to_a_spare(tmp_path, keys, uninterrupted, temporal):
     async def kill_host_worker(procs):
         await until(lambda: progress(tmp_path, "t1", 1).get("step", 0) >= 12)
+        assert not spare_fork_server.exists()   # a spare imports torch only once it is given a rank
         procs["t1"].proc.kill()                 # the host worker: its rank's heartbeats stop
 
+    spare_fork_server = tmp_path / "t2" / "train" / "fork-server.log"
     result, st = await run_training(tmp_path, keys, temporal, kill_host_worker)
+    assert spare_fork_server.exists()           # started for the migrated rank
     assert [r.action for r in result.recoveries][:1] == ["migrate to t2"]
     assert "heartbeat" in result.recoveries[0].reason
     assert st.ranks == ["t0", "t2"] and st.spares == []

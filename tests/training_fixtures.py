@@ -11,9 +11,10 @@ CONFIG = ["model.vocab=128", "model.d_model=32", "model.n_heads=2", "model.d_ff=
 
 
 async def hosts(env, root: Path, ids, s3_env: dict | None = None, fleet=None,
-                metrics: dict[str, int] | None = None) -> dict[str, ModuleProc]:
+                metrics: dict[str, int] | None = None, spares=()) -> dict[str, ModuleProc]:
     """Host-worker processes; with ``fleet`` (tests/fleet.Fleet) each drives its host's peerd; with
-    ``metrics`` ({host: port}) each serves its Prometheus metrics there."""
+    ``metrics`` ({host: port}) each serves its Prometheus metrics there. ``spares`` do not preload
+    torch: their fork server starts with the first rank they are given, if any."""
     target = env.client.service_client.config.target_host
 
     def peerd(i: str) -> list[str]:             # the fleet's stores are root/<id>/store too
@@ -21,7 +22,8 @@ async def hosts(env, root: Path, ids, s3_env: dict | None = None, fleet=None,
     procs = {i: ModuleProc(f"host-worker {i}", "workers.host_worker", root / i,
                            ["--id", i, "--temporal", target, "--namespace", env.client.namespace, "--store", str(root / i / "store"),
                             "--train-dir", str(root / i / "train"), "--heartbeat-every", "0.5", *peerd(i),
-                            *(["--metrics-port", str(metrics[i])] if metrics else [])],
+                            *(["--metrics-port", str(metrics[i])] if metrics else []),
+                            *(["--no-preload-training"] if i in spares else [])],
                            env={**(s3_env or {}), "WEIGHTCAST_TOKEN": TOKEN}).launch()
              for i in ids}
     for p in procs.values():
