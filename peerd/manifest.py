@@ -178,9 +178,16 @@ def build_from_directory(root: Path, model: str, version: str, chunk_size: int =
                     serving=serving)
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".distcp", ".gguf")
+
+
 def list_files(root: Path) -> list[Path]:
-    """The files a checkpoint directory publishes, in manifest order (hidden files stay behind)."""
-    return sorted(p for p in Path(root).rglob("*") if p.is_file() and not p.name.startswith("."))
+    """The files a checkpoint directory publishes, in manifest order (hidden files stay behind): the
+    weights last, so that the small files an engine starts from (config, tokenizer) are the first a
+    host has whole (the swarm fetches in manifest order, rarest first within a window), and a
+    serving engine can start while the weights still arrive (serving/vllm_engine.py)."""
+    files = (p for p in Path(root).rglob("*") if p.is_file() and not p.name.startswith("."))
+    return sorted(files, key=lambda p: (p.name.endswith(WEIGHT_SUFFIXES), p))
 
 
 def first_chunk_indexes(sizes: list[int], chunk_size: int) -> list[int]:

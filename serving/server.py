@@ -36,6 +36,7 @@ from serving.http_json import MAX_BODY, bad_request, json_object
 from serving.loader import LoadError
 from serving.prepare import Preparer
 from serving.trust import ManifestTrust
+from serving.verified_read import VerifyError
 
 log = logging.getLogger("serving.model_server")
 _VID = re.compile(r"^[0-9a-f]{64}\Z")
@@ -78,6 +79,7 @@ class ModelServer:
         self.m_ahead = Counter("model_server_read_ahead_bytes_total",
                                "Bytes read and verified ahead of their load, while distribution finished", registry=r)
         self.ahead = Preparer(self.read_ahead_bytes, self.m_ahead.inc)
+        self._warming: dict[VersionKey, asyncio.Task] = {}      # engines started ahead of their load
         self._lock = asyncio.Lock()
         self.fault_count = 0
 
@@ -92,10 +94,36 @@ class ModelServer:
         if cur is not None and cur.state in ("ready", "loading"):
             return {"files_wanted": 0, "files_read": 0, "bytes_held": 0, "note": f"already {cur.state}"}
         await asyncio.to_thread(self.trust.check, Path(path))
-        return await self.ahead.want(key, Path(path), files)
+        out = await self.ahead.want(key, Path(path), files)
+        self._warm_soon(key, Path(path), files)
+        return out
+
+    def _warm_soon(self, key: VersionKey, path: Path, files: int) -> None:
+        """Start the version's engine ahead of its load where the engine can (serving/vllm_engine.py),
+        in the background (a start takes seconds to minutes); asked again on each prepare until the
+        files it needs are there."""
+        warm = getattr(self.engine, "warm", None)
+        task = self._warming.get(key)
+        if warm is None or (task is not None and (not task.done() or task.result())):
+            return
+        self._warming[key] = asyncio.create_task(self._warm(warm, key, path, files))
+
+    async def _warm(self, warm, key: VersionKey, path: Path, files: int) -> bool:
+        """True once settled: started, or failed (the load then fails or starts cold, and says why)."""
+        what = {"model": key.model, "version": key.version}
+        try:
+            started = await asyncio.to_thread(warm, key, path, files, self.memory_budget, self.in_use())
+        except (LoadError, VerifyError) as e:
+            log.warning("engine not started ahead of the load", extra={**what, "error": str(e)})
+            return True
+        if started:
+            log.info("engine started ahead of the load", extra=what)
+        return started
 
     async def load(self, key: VersionKey | tuple[str, str], path: Path) -> VersionState:
         key = VersionKey(*key)
+        if key in self._warming and self._warming[key].done():
+            del self._warming[key]
         held = await self.ahead.stop(Path(path))   # what was read ahead stays for this load; nothing is read twice
         try:
             vs = await self._load(key, path)
@@ -360,21 +388,27 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--vllm-optimization-level", type=int, choices=(0, 1, 2, 3), default=None,
                     help="vLLM's -O level for each server it starts (default: vLLM's own): 0 starts fastest, "
                          "without torch.compile or CUDA graphs")
+    ap.add_argument("--vllm-start-ahead", action=argparse.BooleanOptionalAction, default=True,
+                    help="start a version's vLLM server on stand-in weights as soon as every file but its weights "
+                         "is verified, so the start overlaps the weights' distribution and the load only reloads "
+                         "the weights in place; the server holds the version's memory from then on (default: on)")
     return ap
 
 
 def engine_for(a) -> Engine:
-    return make_engine(a.engine, a.store.parent / "vllm", a.vllm_python, a.kv_cache_tokens, a.vllm_optimization_level)
+    return make_engine(a.engine, a.store.parent / "vllm", a.vllm_python, a.kv_cache_tokens, a.vllm_optimization_level,
+                       a.vllm_start_ahead)
 
 
 def make_engine(name: str = "transformers", workdir: Path | None = None, vllm_python: str | None = None,
-                kv_cache_tokens: int = KV_CACHE_TOKENS, vllm_optimization_level: int | None = None) -> Engine:
+                kv_cache_tokens: int = KV_CACHE_TOKENS, vllm_optimization_level: int | None = None,
+                vllm_start_ahead: bool = True) -> Engine:
     """The model server's engine: Hugging Face checkpoints on ``name`` (transformers in this process, or
     vLLM servers started under ``workdir``), weightcast's reference checkpoints on the reference engine."""
     if name == "vllm":
         from serving.vllm_engine import VllmEngine
         return AutoEngine(hf=VllmEngine(workdir, python=vllm_python, kv_cache_tokens=kv_cache_tokens,
-                                        optimization_level=vllm_optimization_level))
+                                        optimization_level=vllm_optimization_level, start_ahead=vllm_start_ahead))
     return AutoEngine(hf=TransformersEngine(kv_cache_tokens=kv_cache_tokens))
 
 

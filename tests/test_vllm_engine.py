@@ -170,6 +170,14 @@ async def test_the_other_architectures_roll_out_into_vllm_and_answer_the_openai_
             result = await publish_hf(stack, seaweed, keys, src, arch, "v1")
             assert result["ready"] == ["a"] and result["traffic"] == {"v1": 100}, result
             assert VersionKey(arch, "v1") in engine.servers
+            # its server was started on stand-in weights while the bytes arrived, then reloaded in place;
+            # GPT-2's answers differ after the reload into a stand-in in this vLLM: refused, it is started cold
+            assert engine.started_ahead[arch]["version"] == "v1"
+            if arch == "gpt2":
+                assert engine.last_load["how"] == "cold"
+                assert "golden prompt" in engine.last_load["started_ahead_refused"]
+            else:
+                assert engine.last_load["how"] == "started_ahead" and "started_ahead_refused" not in engine.last_load
             for p in golden["prompts"][:2]:
                 r = await client.completions.create(model=arch, prompt=p["text"], max_tokens=len(p["output_ids"]),
                                                     temperature=0)
@@ -178,6 +186,29 @@ async def test_the_other_architectures_roll_out_into_vllm_and_answer_the_openai_
         await client.close()
         await stack.stop()
     assert all(s.proc.poll() is not None for s in engine.servers.values())
+
+
+def test_a_server_is_started_ahead_only_once_every_file_but_the_weights_is_verified(tmp_path, keys, hf_checkpoints):
+    """The manifest lists the weights last; a start ahead waits until every file before them is whole
+    in peerd's store (``files_ready``), and then starts a server (here an interpreter without vLLM,
+    so the start fails and says so)."""
+    import sys
+    from serving.loader import LoadError
+    from serving.verified_read import VerifiedFiles
+    src, golden = hf_checkpoints["llama"]
+    d = store_version(tmp_path, src, "llama", "v2", keys["private"], serving={"golden": golden})
+    names = [e.path for e in VerifiedFiles(d).manifest.files]
+    weights = [n for n in names if n.endswith(".safetensors")]
+    assert len(weights) > 1 and names[-len(weights):] == weights
+    engine = VllmEngine(tmp_path / "vllm", python=sys.executable)
+    key = VersionKey("llama", "v2")
+    assert engine.warm(key, d, names.index("tokenizer.json"), None, 0) is False        # the tokenizer not yet whole
+    assert not list((tmp_path / "vllm").glob("vllm-*.log"))                            # nothing was started
+    with pytest.raises(LoadError, match="vLLM exited") as e:
+        engine.warm(key, d, len(names) - 1, None, 0)                                    # the weights still arriving
+    assert e.value.code == "engine_failed" and "llama" not in engine.idle
+    with pytest.raises(LoadError, match="needs .* bytes"):                             # counted like a load
+        engine.warm(key, d, len(names), 1000, 0)
 
 
 @pytest.mark.parametrize("why", ["still answering", "started with other files"])
