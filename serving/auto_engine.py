@@ -28,10 +28,11 @@ class AutoEngine:
         return nbytes
 
     def warm(self, key: VersionKey, model_dir: Path, files_ready: int, memory_budget: int | None,
-             in_use: int) -> bool:
-        """Start the engine for a version still arriving, where its engine can (vLLM: serving/vllm_engine.py)."""
+             in_use: int) -> bool | None:
+        """Start the engine for a version still arriving, where its engine can (vLLM: serving/vllm_engine.py);
+        None where it never does."""
         warm = getattr(self.hf, "warm", None)
-        return bool(warm) and warm(key, model_dir, files_ready, memory_budget, in_use)
+        return None if warm is None else warm(key, model_dir, files_ready, memory_budget, in_use)
 
     def unload(self, key: VersionKey) -> None:
         engine = self.of.pop(key, None)

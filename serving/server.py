@@ -109,16 +109,21 @@ class ModelServer:
         self._warming[key] = asyncio.create_task(self._warm(warm, key, path, files))
 
     async def _warm(self, warm, key: VersionKey, path: Path, files: int) -> bool:
-        """True once settled: started, or failed (the load then fails or starts cold, and says why)."""
+        """True once settled: started, failed (the load then fails or starts cold, and says why), or never
+        (an engine that does not start ahead); False: asked again on the next prepare."""
         what = {"model": key.model, "version": key.version}
         try:
             started = await asyncio.to_thread(warm, key, path, files, self.memory_budget, self.in_use())
         except (LoadError, VerifyError) as e:
             log.warning("engine not started ahead of the load", extra={**what, "error": str(e)})
             return True
+        except Exception:
+            # only ever a head start: whatever went wrong, the load reads and checks everything again
+            log.exception("engine not started ahead of the load", extra=what)
+            return True
         if started:
             log.info("engine started ahead of the load", extra=what)
-        return started
+        return started is not False           # None: this engine never starts ahead
 
     async def load(self, key: VersionKey | tuple[str, str], path: Path) -> VersionState:
         key = VersionKey(*key)

@@ -177,18 +177,21 @@ class VllmEngine:
             raise LoadError("smoke_failed", f"{key.model} {key.version} on vLLM ({how} load): {e}") from None
 
     def warm(self, key: VersionKey, model_dir: Path, files_ready: int, memory_budget: int | None,
-             in_use: int) -> bool:
+             in_use: int) -> bool | None:
         """Start a server for a version still arriving, on stand-in weights, once the first
         ``files_ready`` files of its manifest (those peerd has verified whole) hold every file but the
         weights; kept idle for the model, for the load to reload in place. False: not now (the frame is
-        not whole yet, or a server with this frame already waits). Raises LoadError when the server
-        cannot start or would not fit, VerifyError for a version that is not whole in peerd's store."""
+        not whole yet, or a server with this frame already waits); None: never for this version (turned
+        off, or not a Hugging Face checkpoint). Raises LoadError when the server cannot start or would
+        not fit, VerifyError for a version that is not whole in peerd's store."""
         if not self.start_ahead:
-            return False
+            return None
         files = VerifiedFiles(model_dir)
         entries = files.manifest.files
         frame_files = {e.path for e in entries if not is_weights(e.path)}
-        if CONFIG not in frame_files or not frame_files <= {e.path for e in entries[:files_ready]}:
+        if CONFIG not in frame_files:
+            return None
+        if not frame_files <= {e.path for e in entries[:files_ready]}:
             return False
         frame = frame_digest(files, weights_too=False)
         with self._model_lock(key.model):
@@ -205,6 +208,9 @@ class VllmEngine:
             if self._stopped:                       # the model server stopped meanwhile
                 stop_process(server.proc)
                 return False
+            unloaded = self.idle.pop(key.model, None)
+            if unloaded is not None:                # an unload left its server idle meanwhile: the new version's wins
+                stop_process(unloaded.proc)
             self.idle[key.model] = server
             self.started_ahead[key.model] = {"version": key.version, "seconds": round(time.monotonic() - t0, 3)}
         return True

@@ -201,6 +201,8 @@ def test_a_server_is_started_ahead_only_once_every_file_but_the_weights_is_verif
     engine = VllmEngine(tmp_path / "vllm", python=sys.executable)
     key = VersionKey("llama", "v2")
     assert engine.warm(key, d, names.index("tokenizer.json"), None, 0) is False        # the tokenizer not yet whole
+    assert VllmEngine(tmp_path / "off", python=sys.executable, start_ahead=False).warm(key, d, len(names), None, 0) \
+        is None                                                                        # --no-vllm-start-ahead
     assert not list((tmp_path / "vllm").glob("vllm-*.log"))                            # nothing was started
     with pytest.raises(LoadError, match="vLLM exited") as e:
         engine.warm(key, d, len(names) - 1, None, 0)                                    # the weights still arriving
