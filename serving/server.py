@@ -80,6 +80,7 @@ class ModelServer:
                                "Bytes read and verified ahead of their load, while distribution finished", registry=r)
         self.ahead = Preparer(self.read_ahead_bytes, self.m_ahead.inc)
         self._warming: dict[VersionKey, asyncio.Task] = {}      # engines started ahead of their load
+        self._warm_files: dict[VersionKey, int] = {}            # the newest count of whole files, by version
         self._lock = asyncio.Lock()
         self.fault_count = 0
 
@@ -103,17 +104,23 @@ class ModelServer:
         in the background (a start takes seconds to minutes); asked again on each prepare until the
         files it needs are there."""
         warm = getattr(self.engine, "warm", None)
-        task = self._warming.get(key)
-        if warm is None or (task is not None and (not task.done() or task.result())):
+        if warm is None:
             return
-        self._warming[key] = asyncio.create_task(self._warm(warm, key, path, files))
+        self._warm_files[key] = max(files, self._warm_files.get(key, 0))
+        task = self._warming.get(key)
+        if task is not None and (not task.done() or task.result()):
+            return                              # a start under way asks again with the newest count
+        self._warming[key] = asyncio.create_task(self._warm(warm, key, path))
 
-    async def _warm(self, warm, key: VersionKey, path: Path, files: int) -> bool:
+    async def _warm(self, warm, key: VersionKey, path: Path) -> bool:
         """True once settled: started, failed (the load then fails or starts cold, and says why), or never
         (an engine that does not start ahead); False: asked again on the next prepare."""
         what = {"model": key.model, "version": key.version}
         try:
-            started = await asyncio.to_thread(warm, key, path, files, self.memory_budget, self.in_use())
+            started, asked = False, 0
+            while started is False and asked < self._warm_files[key]:   # a prepare may come while it runs
+                asked = self._warm_files[key]
+                started = await asyncio.to_thread(warm, key, path, asked, self.memory_budget, self.in_use())
         except (LoadError, VerifyError) as e:
             log.warning("engine not started ahead of the load", extra={**what, "error": str(e)})
             return True
@@ -129,6 +136,7 @@ class ModelServer:
         key = VersionKey(*key)
         if key in self._warming and self._warming[key].done():
             del self._warming[key]
+            self._warm_files.pop(key, None)
         held = await self.ahead.stop(Path(path))   # what was read ahead stays for this load; nothing is read twice
         try:
             vs = await self._load(key, path)

@@ -252,3 +252,34 @@ async def test_files_read_ahead_are_verified_once_and_taken_by_the_load(tmp_path
 
 async def _equals(aw, want) -> bool:
     return await aw == want
+
+
+async def test_a_start_ahead_asks_again_with_the_files_told_while_it_ran(tmp_path):
+    """A prepare that arrives while the engine's start ahead is still deciding (not yet: the frame was not
+    whole) is not lost: the start asks again with the newest count before it settles."""
+    import asyncio
+    import threading
+    from serving.engine import ReferenceEngine, VersionKey
+
+    class Engine(ReferenceEngine):
+        def __init__(self):
+            super().__init__()
+            self.asked, self.first = [], threading.Event()
+
+        def warm(self, key, model_dir, files_ready, memory_budget, in_use):
+            self.asked.append(files_ready)
+            if len(self.asked) == 1:
+                self.first.wait(10)           # the next prepare arrives meanwhile
+            return files_ready >= 5 or False
+
+    engine = Engine()
+    ms = ModelServer("h1", engine=engine)
+    key = VersionKey("m", "v1")
+    ms._warm_soon(key, tmp_path, 2)
+    await asyncio.sleep(0.1)
+    ms._warm_soon(key, tmp_path, 5)              # while the first ask runs
+    engine.first.set()
+    assert await ms._warming[key] is True
+    assert engine.asked == [2, 5]
+    ms._warm_soon(key, tmp_path, 6)              # settled: not asked again
+    assert engine.asked == [2, 5]
