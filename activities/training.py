@@ -76,9 +76,10 @@ class TrainingActivities:
         try:
             while True:
                 try:
-                    await asyncio.wait_for(proc.wait(), timeout=self.poll_s)
+                    async with asyncio.timeout(self.poll_s):     # wait_for could drop a cancel (peerd/job.py)
+                        await proc.wait()
                     break
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     beat = _compact(progress, proc.pid, *speed)
                     if self.metrics:
                         self.metrics.observe(inp.run, inp.rank, beat)

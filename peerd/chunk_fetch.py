@@ -277,9 +277,9 @@ class ChunkFetcher:
         if url.scheme not in ("http", "https") or not url.hostname or port is None:
             raise BadResponse(f"peer address {addr!r} is not http(s)://host:port")
         loop = asyncio.get_running_loop()
-        sock = await asyncio.wait_for(loop.run_in_executor(
-            self._threads, _connect, url.hostname, port, url.scheme == "https", self.connect_timeout),
-            self.connect_timeout + 1)
+        async with asyncio.timeout(self.connect_timeout + 1):        # wait_for could drop a cancel (peerd/job.py)
+            sock = await loop.run_in_executor(
+                self._threads, _connect, url.hostname, port, url.scheme == "https", self.connect_timeout)
         self.connections_opened += 1
         return _Conn(sock, self.stall_after), False
 

@@ -286,8 +286,9 @@ class Daemon:
             gap = min(cfg.have_interval, interval)
             await asyncio.sleep(gap)
             try:
-                await asyncio.wait_for(self._wake.wait(), timeout=interval - gap)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(interval - gap):     # wait_for could drop a stop's cancel (peerd/job.py)
+                    await self._wake.wait()
+            except TimeoutError:
                 pass
 
     def _exchanges(self, targets, active: set[str], full: bool) -> list:

@@ -178,6 +178,7 @@ class FetchJob:
             for r in self.policy.next_requests(now):
                 if self.vs.bits[r.chunk]:
                     self.refetched_bytes += self.m.chunks[r.chunk].size
+                    self.host.metrics.refetched_bytes.inc(self.m.chunks[r.chunk].size)
                 self._tasks[(r.chunk, r.source)] = asyncio.create_task(self._fetch(r))
             if now >= next_tick:
                 self.policy.tick(now)
@@ -186,9 +187,12 @@ class FetchJob:
             self._wake.clear()
             wake_at = self.policy.wake_at(now)
             timeout = 0.25 if wake_at is None else min(0.25, max(0.005, wake_at - now))
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for returns a wait that finished in the
+            # same turn as a cancel and drops the cancel, and a dropped stop lets the download run on
             try:
-                await asyncio.wait_for(self._wake.wait(), timeout=timeout)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(timeout):
+                    await self._wake.wait()
+            except TimeoutError:
                 pass
 
     def _expire_unknown_seeders(self, age: float) -> None:
@@ -312,6 +316,7 @@ class FetchJob:
         self.host.metrics.bytes_in.labels(src).inc(c.size)          # received: a second copy too
         if self.vs.bits[r.chunk]:            # the loop thread alone sets bits: an earlier copy won
             self.duplicate_bytes += c.size
+            self.host.metrics.duplicate_bytes.inc(c.size)
             return
         self.vs.mark_verified(r.chunk)       # on the loop thread: the only writer of the bitmap
         self.bytes[src] += c.size            # each chunk counted once, for the source that supplied it

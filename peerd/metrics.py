@@ -7,7 +7,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 class PeerdMetrics:
     def __init__(self):
         r = self.registry = CollectorRegistry()
-        self.bytes_in = Counter("peerd_download_bytes_total", "Verified bytes received", ["source"], registry=r)
+        self.bytes_in = Counter("peerd_download_bytes_total", "Chunk bytes received and verified, second "
+                                "copies included (peerd_duplicate_bytes_total)", ["source"], registry=r)
+        self.duplicate_bytes = Counter("peerd_duplicate_bytes_total", "Bytes received for a chunk verified meanwhile "
+                                       "(endgame's second source, an answer that came after its request was given up)",
+                                       registry=r)
+        self.refetched_bytes = Counter("peerd_refetched_bytes_total", "Bytes of chunks requested again after they "
+                                       "were verified here (a bug if it ever moves)", registry=r)
         self.bytes_out = Counter("peerd_upload_bytes_total", "Chunk bytes served to peers", registry=r)
         self.chunks = Counter("peerd_chunks_verified_total", "Chunks verified and made durable", ["source"], registry=r)
         self.failures = Counter("peerd_chunk_failures_total", "Failed chunk fetches", ["reason"], registry=r)

@@ -38,8 +38,10 @@ log = logging.getLogger("serving.router")
 
 class Router:
     def __init__(self, poll_interval: float = 0.2, retries: int = 3, rules: CapacityRules | None = None,
-                 seed: int | None = None, admin_token: str = "", api_keys: frozenset[str] = frozenset()):
+                 seed: int | None = None, admin_token: str = "", api_keys: frozenset[str] = frozenset(),
+                 check_timeout_s: float = 1.0):
         self.table = RoutingTable(seed)
+        self.check_timeout_s = check_timeout_s  # a host that takes longer to say it is ready is out of the pool
         self.admin_token = admin_token          # empty disables admin auth (in-process tests only)
         self.api_keys = frozenset(api_keys)     # clients' keys for /v1/*; none: inference is open
         self.poll_interval = poll_interval
@@ -71,7 +73,7 @@ class Router:
     async def _check(self, model: str, host: str, addr: str, version: str) -> None:
         try:
             async with self.http.get(f"{addr}/health/ready", params={"model": model, "model_version": version},
-                                     timeout=aiohttp.ClientTimeout(total=1)) as r:
+                                     timeout=aiohttp.ClientTimeout(total=self.check_timeout_s)) as r:
                 ok = r.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError):
             ok = False

@@ -65,7 +65,8 @@ class ModelServer:
     versions: dict[VersionKey, VersionState] = field(default_factory=dict)
     # fault injection for drills and tests (a version that passes its smoke test but serves badly):
     # {(model, version): {"delay_s": extra latency per request, "error_every": every Nth request answers
-    #                     500, "load_delay_s": extra time before a load starts}}
+    #                     500, "load_delay_s": extra time before a load starts, "load_gate": an
+    #                     asyncio.Event a load waits for before it starts (in-process drills)}}
     faults: dict[VersionKey, dict] = field(default_factory=dict)
     read_ahead_bytes: int | None = None   # memory for files read ahead of a load (None: a quarter of RAM)
 
@@ -161,7 +162,10 @@ class ModelServer:
             vs = self.versions[key] = VersionState("loading", path=str(path))
             what = {"model": key.model, "version": key.version}
             try:
-                await asyncio.sleep(self.faults.get(key, {}).get("load_delay_s", 0.0))   # drills: a slow load
+                fault = self.faults.get(key, {})
+                await asyncio.sleep(fault.get("load_delay_s", 0.0))   # drills: a slow load
+                if "load_gate" in fault:
+                    await fault["load_gate"].wait()                  # ... or one held until the drill says
                 await asyncio.to_thread(self.trust.check, Path(path))
                 vs.nbytes = await asyncio.to_thread(self.engine.load, key, path, self.memory_budget, self.in_use())
                 if self.versions.get(key) is not vs:

@@ -105,7 +105,7 @@ def hf_checkpoints(tmp_path_factory):
 # What makes a test an integration test: it starts real processes (servers, daemons, ranks, engines)
 # or network namespaces. `make test-fast` runs the rest; `make test` runs everything.
 _REAL = ("EmbeddedStack", "Stack()", "Fleet(", "subprocess", "Topology(", "launch(", "weightcast.cli import main",
-         "TemporalDevServer", "SeaweedS3", "mp.start_processes", "serve_app(", "ModuleProc")
+         "TemporalDevServer", "SeaweedS3", "mp.start_processes", "serve_app(", "ModuleProc", "Daemon(PeerdConfig")
 _REAL_FIXTURES = {"seaweed", "hf_checkpoints", "temporal"}
 _sources: dict[str, str] = {}
 
