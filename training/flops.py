@@ -39,7 +39,8 @@ def model_parallel_degree(cfg) -> int:
 def matmul_peak(device: "torch.device", dtype: "torch.dtype | None" = None, threads: int = 0,
                 seconds: float = 1.0) -> float:
     """FLOP/s of the best round of square matmuls on ``device`` in ``dtype`` (default float32), with
-    ``threads`` CPU threads (0: as set). torch is imported here: the FLOP count above needs none."""
+    ``threads`` CPU threads (0: as set), over about ``seconds``, and at least one round after a first
+    call whatever that takes. torch is imported here: the FLOP count above needs none."""
     import torch
     dtype = dtype or torch.float32
     n = 4096 if device.type == "cuda" else 1024
@@ -49,10 +50,8 @@ def matmul_peak(device: "torch.device", dtype: "torch.dtype | None" = None, thre
     try:
         a = torch.randn(n, n, device=device, dtype=dtype)
         b = torch.randn(n, n, device=device, dtype=dtype)
-        best, end = 0.0, time.perf_counter() + seconds
-        a @ b                                                     # first call: allocation, kernel choice
-        while time.perf_counter() < end:
-            reps = 4
+
+        def timed(reps: int) -> float:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t0 = time.perf_counter()
@@ -60,7 +59,15 @@ def matmul_peak(device: "torch.device", dtype: "torch.dtype | None" = None, thre
                 a @ b
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            best = max(best, reps * 2 * n ** 3 / (time.perf_counter() - t0))
+            return reps * 2 * n ** 3 / (time.perf_counter() - t0)
+
+        end = time.perf_counter() + seconds
+        timed(1)                                                  # first call: allocation, kernel choice
+        # one round at least, however slow: a dtype this device only emulates (bf16 on a CPU without
+        # AVX-512 BF16 or AMX) takes seconds a call, longer than the whole budget
+        best = timed(1)
+        while time.perf_counter() < end:
+            best = max(best, timed(4))
         return best
     finally:
         torch.set_num_threads(saved)
