@@ -119,7 +119,7 @@ class ModelServer:
         what = {"model": key.model, "version": key.version}
         try:
             started, asked = False, 0
-            while started is False and asked < self._warm_files[key]:   # a prepare may come while it runs
+            while started is False and asked < self._warm_files.get(key, 0):   # a prepare may come meanwhile
                 asked = self._warm_files[key]
                 started = await asyncio.to_thread(warm, key, path, asked, self.memory_budget, self.in_use())
         except (LoadError, VerifyError) as e:
@@ -187,6 +187,9 @@ class ModelServer:
 
     def unload(self, key: VersionKey | tuple[str, str]) -> bool:
         key = VersionKey(*key)
+        self._warm_files.pop(key, None)          # a start ahead still running asks no more for it
+        if key in self._warming and self._warming[key].done():
+            del self._warming[key]
         vs = self.versions.pop(key, None)
         if vs is None:
             return False

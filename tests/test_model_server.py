@@ -6,6 +6,7 @@ from peerd.signing import generate_keypair, load_private_key
 from serving.server import ModelServer, make_app
 from serving.trust import ManifestTrust
 from tests.serving_fixtures import store_root, verified_version
+from tests.waiting import until
 
 ADMIN = "admin-secret"
 ADM = {"Authorization": f"Bearer {ADMIN}"}
@@ -276,10 +277,11 @@ async def test_a_start_ahead_asks_again_with_the_files_told_while_it_ran(tmp_pat
     ms = ModelServer("h1", engine=engine)
     key = VersionKey("m", "v1")
     ms._warm_soon(key, tmp_path, 2)
-    await asyncio.sleep(0.1)
+    await until(lambda: engine.asked, 10, "the first ask under way")
     ms._warm_soon(key, tmp_path, 5)              # while the first ask runs
     engine.first.set()
     assert await ms._warming[key] is True
     assert engine.asked == [2, 5]
     ms._warm_soon(key, tmp_path, 6)              # settled: not asked again
     assert engine.asked == [2, 5]
+    assert ms.unload(key) is False and key not in ms._warm_files and key not in ms._warming   # nothing kept for it
