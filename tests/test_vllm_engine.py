@@ -34,9 +34,15 @@ def vllm_python():
     return str(REPO / ".venv-vllm" / "bin" / "python")
 
 
+# vLLM's own switch: the engine core and its worker in the API server's process. A start then takes about
+# half the time and CPU here (one process imports vLLM instead of three); what weightcast does with the
+# server (health, completions, the reload RPCs) is the same. The default layout runs in the first test.
+ONE_PROCESS = ("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
 @pytest.mark.timeout(450)      # two cold starts and a training run: 60-100 s with the suite beside it
 async def test_vllm_serves_reloads_in_place_and_never_serves_what_fails_its_check(tmp_path, keys, hf_checkpoints,
-                                                                                  vllm_python):
+                                                                                  vllm_python, monkeypatch):
     from serving import hf_build, golden as golden_mod
     src, g1 = hf_checkpoints["llama"]
     v3 = hf_build.build("llama", tmp_path / "llama-v3", seed=12)      # another training of the same shape
@@ -85,7 +91,8 @@ async def test_vllm_serves_reloads_in_place_and_never_serves_what_fails_its_chec
         assert chat.choices[0].message.content is not None
 
         # the Llama trained by weightcast beside v1 (v1 still serves): vLLM loads its export unchanged,
-        # in a second server
+        # in a second server (in one process: v1's server, in the default layout, takes the reloads below)
+        monkeypatch.setenv(*ONE_PROCESS)
         assert (await ms.load(("llama", "t"), dirs["t"])).state == "ready"
         assert engine.last_load["how"] == "cold" and len(engine.servers) == 2
         router.table.add_version("llama", "t")
@@ -153,12 +160,13 @@ async def test_an_engine_that_cannot_start_fails_the_load_with_its_last_words(tm
 
 async def test_the_other_architectures_roll_out_into_vllm_and_answer_the_openai_client(tmp_path, seaweed, keys,
                                                                                        hf_checkpoints, vllm_python,
-                                                                                       temporal):
+                                                                                       temporal, monkeypatch):
     """Publish → RolloutWorkflow on the dev server → peerd → a vLLM server on the host, ready once it
     reproduced the golden prompts → the router → the official client gets the golden completions. For
-    Qwen2 and GPT-2: vLLM serves Llama in the test above (a cold start each costs ~25 CPU-seconds here),
+    Qwen2 and GPT-2: vLLM serves Llama in the test above (a start costs 20-30 CPU-seconds here),
     and every architecture rolls out on the transformers engine in tests/test_hf_rollout.py."""
     from weightcast.stack.embedded import EmbeddedStack
+    monkeypatch.setenv(*ONE_PROCESS)            # the stack's model server is in this process: its servers inherit it
     stack = await EmbeddedStack(tmp_path / "stack", keys["pub_path"], ["a"], s3=seaweed,
                                 **temporal.stack_args(), engine="vllm",
                                 vllm_optimization_level=0).start()
