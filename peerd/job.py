@@ -363,6 +363,7 @@ class FetchJob:
                 "files_total": len(self.m.files), "files_ready": self.vs.files_ready(),
                 "duplicate_bytes": self.duplicate_bytes, "refetched_bytes": self.refetched_bytes,
                 "origin_reads": self.policy.origin_reads if self.policy else 0,
+                "origin_reads_in_flight": self.policy.origin_active if self.policy else 0,
                 "buffers_allocated": self.buffers.allocated,
                 "started": self.started, "finished": self.finished, "last_progress": self.last_progress,
                 "peers": self.policy.peer_summary(now) if self.policy else []}

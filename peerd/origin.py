@@ -48,12 +48,17 @@ async def warm_session():
     return session
 
 
+CONNECT_TIMEOUT_S = 5.0
+READ_TIMEOUT_S = 20.0       # nothing received this long: the request fails (a PUT's answer included)
+
+
 class S3Origin:
     """One client per daemon; credentials from the usual AWS variables (or explicit)."""
 
     def __init__(self, spec: OriginSpec, access_key: str | None = None, secret_key: str | None = None,
-                 session=None):
+                 session=None, read_timeout_s: float = READ_TIMEOUT_S):
         self.spec = spec
+        self.read_timeout_s = read_timeout_s
         self._session = session or get_session()
         self._ak = access_key or os.environ.get("AWS_ACCESS_KEY_ID")
         self._sk = secret_key or os.environ.get("AWS_SECRET_ACCESS_KEY")
@@ -66,7 +71,10 @@ class S3Origin:
             aws_access_key_id=self._ak, aws_secret_access_key=self._sk,
             # no per-request CRC32 on either side: every chunk is checked against the signed manifest,
             # and the checksums cost CPU on every byte the publisher sends and every host reads
+            # a read that receives nothing for read_timeout_s fails, and the chunk is asked for again: with
+            # botocore's 60 s (retried twice) one stuck GET would hold a seeder's origin slot for minutes
             config=Config(retries={"max_attempts": 3, "mode": "standard"}, max_pool_connections=32,
+                          connect_timeout=CONNECT_TIMEOUT_S, read_timeout=self.read_timeout_s,
                           request_checksum_calculation="when_required",
                           response_checksum_validation="when_required")))
         return self

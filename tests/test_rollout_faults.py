@@ -37,7 +37,8 @@ async def wait_progress(s: Stack, host: str, at_least: int = 2, timeout: float =
             assert st["chunks_done"] < st["chunks_total"], "too late: the host already has everything"
             return st
         await asyncio.sleep(0.02)
-    raise TimeoutError(f"{host} made no progress")
+    seen = {h: await job(s, h) for h in s.stack.peerd}
+    raise TimeoutError(f"{host} made no progress in {timeout} s; the hosts' jobs: {seen}")
 
 
 async def live_progress(s: Stack, wid: str, host: str) -> dict:
