@@ -111,7 +111,8 @@ def allreduce_seconds(world: int, nbytes: int, netns: list[str]) -> float:
 def inside(ranks: int, link_bps: float, steps: int, overrides: list[str], netns: list[str]) -> dict:
     runs = {}
     for name, comm, extra in METHODS:
-        runs[name] = launch(method_config(ranks, steps, overrides, comm, extra), netns=netns)
+        with tempfile.TemporaryDirectory(prefix="wc-bench-allreduce-") as d:    # checkpoints and logs not kept
+            runs[name] = launch(method_config(ranks, steps, overrides, comm, extra), Path(d), netns=netns)
     plain = runs["allreduce"]
     target = plain["losses"][steps - 1]                      # where plain all-reduce is after --steps
     eval_target = dict(plain["eval_losses"])[steps]          # and its held-out loss there

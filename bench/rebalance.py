@@ -14,6 +14,8 @@ the batch, forward, backward with its gradient reduction, optimiser step, the ra
 from __future__ import annotations
 
 import contextlib
+import tempfile
+from pathlib import Path
 
 from lib.netns import Topology
 from training.config import TrainConfig
@@ -37,11 +39,10 @@ def run_rebalance_bench(ranks: int, slowdown: float, steps: int, batch_per_rank:
         if link_bps:
             net = stack.enter_context(Topology([ranks], link_bps, link_bps))
             netns = [h.ns for h in net.hosts]
-        runs = {"balanced": launch(rebalance_config(ranks, steps, batch_per_rank, overrides), netns=netns),
-                "slow_equal_shares": launch(rebalance_config(ranks, steps, batch_per_rank, overrides, [slow]),
-                                            netns=netns),
-                "slow_rebalanced": launch(rebalance_config(ranks, steps, batch_per_rank, overrides,
-                                                           [slow, "rebalance=true"]), netns=netns)}
+        work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="wc-bench-rebalance-")))  # not kept
+        runs = {name: launch(rebalance_config(ranks, steps, batch_per_rank, overrides, extra), work / name, netns=netns)
+                for name, extra in (("balanced", []), ("slow_equal_shares", [slow]),
+                                    ("slow_rebalanced", [slow, "rebalance=true"]))}
     t = runs["balanced"]["step_s_median"]
     ideal = t * ranks / (ranks - 1 + 1 / slowdown)
     rows = {name: {"step_s_median": round(r["step_s_median"], 4), "vs_balanced": round(r["step_s_median"] / t, 3),

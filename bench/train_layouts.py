@@ -4,6 +4,9 @@ optimiser). MFU is against the matmul peak measured in the same run (training/fl
 ranks share this machine's CPU cores; on GPUs each rank has its own device."""
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 from training.config import TrainConfig
 from training.flops import flops_per_token
 from training.launch import launch
@@ -30,7 +33,8 @@ def run_layout_bench(layouts: list[str], ranks: int, steps: int, overrides: list
     configs = {name: layout_config(name, ranks, steps, overrides, model) for name in layouts}   # all checked first
     rows, peaks = [], []
     for name, cfg in configs.items():
-        r = launch(cfg)
+        with tempfile.TemporaryDirectory(prefix="wc-bench-train-") as d:    # checkpoints and logs not kept
+            r = launch(cfg, Path(d))
         peaks.append(r["peak_flops"])
         split = r["step_split"]
         rows.append({"layout": name, "world_size": cfg.world_size, "tokens_per_s": round(r["tokens_per_s"], 1),
