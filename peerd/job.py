@@ -58,6 +58,9 @@ class FetchJob:
                                   keep=cfg.max_inflight + cfg.seeder_inflight + cfg.origin_catch_up
                                   + cfg.endgame_chunks * cfg.endgame_dups)
         self._tasks: dict[tuple[int, str], asyncio.Task] = {}
+        # fetches the policy cancelled (it counts their chunks missing again) whose bytes may already be
+        # in a commit: that commit tells the policy itself, in the step that sets the chunk's bit
+        self._orphans: set[asyncio.Task] = set()
         self._commits: set[asyncio.Task] = set()      # chunks received, being verified and written
         self._wake = asyncio.Event()
         self._origin: S3Origin | None = None
@@ -240,6 +243,7 @@ class FetchJob:
         for c in cancels:
             t = self._tasks.pop((c.chunk, c.source), None)
             if t is not None:
+                self._orphans.add(t)
                 t.cancel()
 
     # ---------------------------------------------------------------- one chunk
@@ -249,6 +253,7 @@ class FetchJob:
         t0 = loop.time()
         reason = label = commit = None
         buf = None
+        me = asyncio.current_task()
         try:
             data = buf = self.buffers.take(c.size)
             if r.source == ORIGIN:
@@ -258,15 +263,17 @@ class FetchJob:
             # hashed and written in a worker thread (hashlib releases the GIL: chunks hash in parallel,
             # off the loop); the buffer goes back to the pool only once that thread is done with it
             buf = None
-            commit = asyncio.create_task(self._commit(r, data))
+            commit = asyncio.create_task(self._commit(r, data, me, t0))
             self._commits.add(commit)
             commit.add_done_callback(self._commits.discard)
             await asyncio.shield(commit)         # a cancel from here on leaves the write to finish
         except asyncio.CancelledError:
             if commit is None:
+                self._orphans.discard(me)
                 self.policy.chunk_failed(r.chunk, r.source, "cancelled", loop.time())
             else:                                # the write goes on: the policy hears how it ends
-                commit.add_done_callback(partial(self._committed_after_cancel, r, t0))
+                self._orphans.add(me)
+                commit.add_done_callback(partial(self._committed_after_cancel, r, t0, me))
             raise
         except (ChunkDigestMismatch, WrongLength) as e:
             reason = "corrupt"
@@ -299,21 +306,29 @@ class FetchJob:
             return
         self._cancel(self.policy.chunk_done(r.chunk, r.source, c.size, now - t0, now))
 
-    def _committed_after_cancel(self, r: Request, t0: float, commit: asyncio.Task) -> None:
-        """A chunk whose fetch was cancelled (a peer declared dead, a stop) while it was being written:
-        verified, the policy counts it held, or it would ask for the chunk again."""
+    def _committed_after_cancel(self, r: Request, t0: float, fetch: asyncio.Task, commit: asyncio.Task) -> None:
+        """A chunk whose fetch was cancelled (a peer declared dead, a stop) while it was being written
+        and whose commit did not tell the policy (it failed, or it ended before the cancel): verified,
+        the policy counts it held, or it would ask for the chunk again."""
+        if fetch not in self._orphans:       # told by the commit itself
+            return
+        self._orphans.discard(fetch)
         now = asyncio.get_running_loop().time()
         if commit.cancelled() or commit.exception() is not None:
             self.policy.chunk_failed(r.chunk, r.source, "cancelled", now)
         else:
             self._cancel(self.policy.chunk_done(r.chunk, r.source, self.m.chunks[r.chunk].size, now - t0, now))
 
-    async def _commit(self, r: Request, data: memoryview) -> None:
+    async def _commit(self, r: Request, data: memoryview, fetch: asyncio.Task, t0: float) -> None:
         """Verify and write a received chunk, then count it (its own task: a cancel does not drop it)."""
         c = self.m.chunks[r.chunk]
         await self.buffers.use_in_thread(data, partial(self.vs.write_chunk, r.chunk))
         src = "origin" if r.source == ORIGIN else "peer"
         self.host.metrics.bytes_in.labels(src).inc(c.size)          # received: a second copy too
+        if fetch in self._orphans:           # cancelled by the policy, which counts the chunk missing: it
+            self._orphans.discard(fetch)     # hears now, before its next request could ask for it again
+            now = asyncio.get_running_loop().time()
+            self._cancel(self.policy.chunk_done(r.chunk, r.source, c.size, now - t0, now))
         if self.vs.bits[r.chunk]:            # the loop thread alone sets bits: an earlier copy won
             self.duplicate_bytes += c.size
             self.host.metrics.duplicate_bytes.inc(c.size)
