@@ -1,6 +1,8 @@
 """The training room through its real interface: rank processes spawned by `launch`, real gloo process
 groups on loopback, the real reference transformer and the synthetic language."""
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -146,6 +148,9 @@ def test_train_run_through_the_cli(tmp_path, capsys):
     assert [line.split()[1] for line in lines] == ["2/6", "4/6", "6/6"], captured.err
     assert all("tokens/s" in line and "ETA" in line for line in lines)
     assert "ETA 0 s" in lines[-1]
+    out_dir = Path(out["out_dir"])              # the run's own directory, kept for its user: the weights are there
+    assert (out_dir / "model.pt").is_file()
+    shutil.rmtree(out_dir)
 
 
 def test_bench_allreduce_runs_every_method_on_a_rate_limited_link(capsys):
