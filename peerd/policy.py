@@ -119,6 +119,9 @@ class SwarmPolicy:
         self.origin_active = 0
         self.peer_requests = 0
         self.origin_backoff_until = 0.0
+        # a chunk whose file the origin does not have yet (a publish still uploading it) waits alone: the
+        # seeder reads the rest of its stripe meanwhile (a stable order would put that chunk first again)
+        self.origin_missing_until = np.zeros(n)
         self._plan = np.zeros(0, np.int64)
         self._dirty, self._planned_at = True, -math.inf
         self.missing = int(n - self.have.sum())
@@ -276,8 +279,10 @@ class SwarmPolicy:
                 self.inflight_mask[chunk] = False
         self._dirty = True
         if source == ORIGIN:
-            wait = self.config.origin_missing_backoff_s if reason == "missing" else self.config.backoff_s
-            self.origin_backoff_until = now + wait
+            if reason == "missing":
+                self.origin_missing_until[chunk] = now + self.config.origin_missing_backoff_s
+            else:
+                self.origin_backoff_until = now + self.config.backoff_s
             return []
         p = self.peers.get(source)
         if p is None:
@@ -382,6 +387,9 @@ class SwarmPolicy:
                  if p.alive and not p.quarantined and p.backoff_until > now]
         if self.origin_backoff_until > now:
             times.append(self.origin_backoff_until)
+        waiting = self.origin_missing_until[self.origin_missing_until > now]
+        if waiting.size:
+            times.append(float(waiting.min()))
         return min(times) if times else None
 
     def _replan(self, now: float) -> None:
@@ -414,7 +422,7 @@ class SwarmPolicy:
         free = self._origin_budget(int(mine.sum()), int(unheld.sum())) - self.origin_active
         if free <= 0:
             return []
-        cand = np.flatnonzero(mine & ~self.inflight_mask)
+        cand = np.flatnonzero(mine & ~self.inflight_mask & (self.origin_missing_until <= now))
         return origin_order(cand, self.origin_slots[cand], len(self.seeders), self.config.origin_spread,
                             *self._tb, 0)[:free].tolist()
 

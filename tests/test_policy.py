@@ -124,16 +124,37 @@ def test_origin_only_for_own_stripe_and_only_when_no_peer_has_it():
 
 
 def test_a_file_not_yet_at_the_origin_is_asked_again_soon_and_a_failing_origin_later():
-    # a publish uploads while the rollout runs: a missing object is retried after a quarter second,
-    # an origin that errors after two
+    # a publish uploads while the rollout runs: a missing object is retried after a quarter second while
+    # the rest of the stripe is read; an origin that errors is left alone for two seconds
     cfg = PolicyConfig(random_first=0, max_inflight=4, origin_inflight=1)
-    for reason, retry_at in (("missing", 0.25), ("error", 2.0)):
-        p = pol(4, seeders=("me",), config=cfg)
-        [r] = p.next_requests(0)
-        assert r.source == ORIGIN
-        p.chunk_failed(r.chunk, ORIGIN, reason, 10.0)
-        assert p.next_requests(10.0 + retry_at - 0.01) == []
-        assert [x.source for x in p.next_requests(10.0 + retry_at)] == [ORIGIN]
+    p = pol(4, seeders=("me",), config=cfg)
+    [r] = p.next_requests(0)
+    assert r.source == ORIGIN
+    p.chunk_failed(r.chunk, ORIGIN, "missing", 10.0)
+    assert p.wake_at(10.0) == 10.25
+    [other] = p.next_requests(10.0)
+    assert other.source == ORIGIN and other.chunk != r.chunk          # not stuck behind the missing file
+    p.chunk_failed(other.chunk, ORIGIN, "missing", 10.0)
+    [third] = p.next_requests(10.0)
+    assert third.chunk not in (r.chunk, other.chunk)
+    p.chunk_done(third.chunk, ORIGIN, 1, 0.1, 10.1)
+    assert {x.chunk for x in p.next_requests(10.1)} - {r.chunk, other.chunk}    # the fourth, never a missing one
+    p = pol(4, seeders=("me",), config=cfg)
+    [r] = p.next_requests(0)
+    p.chunk_failed(r.chunk, ORIGIN, "error", 10.0)
+    assert p.next_requests(10.0 + 2.0 - 0.01) == []
+    assert [x.source for x in p.next_requests(10.0 + 2.0)] == [ORIGIN]
+
+
+def test_a_chunk_missing_at_the_origin_is_asked_again_after_its_wait():
+    cfg = PolicyConfig(random_first=0, max_inflight=4, origin_inflight=1)
+    p = pol(2, seeders=("me",), config=cfg)
+    [r] = p.next_requests(0)
+    p.chunk_failed(r.chunk, ORIGIN, "missing", 10.0)
+    [other] = p.next_requests(10.0)
+    p.chunk_done(other.chunk, ORIGIN, 1, 0.1, 10.1)
+    assert p.next_requests(10.2) == []                                 # only the missing one is left
+    assert [(x.chunk, x.source) for x in p.next_requests(10.25)] == [(r.chunk, ORIGIN)]
 
 
 def test_a_seeder_behind_on_its_stripe_reads_more_of_it_at_once():
