@@ -13,8 +13,10 @@ _PR_SET_PDEATHSIG = 1
 _prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
 
 
-def _die_with_parent() -> None:
-    _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+def set_die_with_parent() -> None:
+    """This process gets SIGTERM when its parent (the thread that forked it) ends."""
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def child_options(pool_thread: bool = False) -> dict:
@@ -24,7 +26,7 @@ def child_options(pool_thread: bool = False) -> dict:
     thread that lives as long as the process (asyncio's default executor keeps its threads)."""
     if _prctl is None or (threading.current_thread() is not threading.main_thread() and not pool_thread):
         return {}
-    return {"preexec_fn": _die_with_parent}
+    return {"preexec_fn": set_die_with_parent}
 
 
 def describe_exit(returncode: int | None) -> str:

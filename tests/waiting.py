@@ -19,3 +19,13 @@ async def until(predicate, timeout: float = 60.0, what: str = "the condition", e
         if time.monotonic() >= deadline:
             raise TimeoutError(f"not within {timeout} s: {what}")
         await asyncio.sleep(every)
+
+
+def until_sync(predicate, timeout: float = 60.0, what: str = "the condition", every: float = 0.05):
+    """``until`` for code outside an event loop."""
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"not within {timeout} s: {what}")
+        time.sleep(every)
+    return value

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lib.processes import child_options, describe_exit, last_lines, stop_process
+from weightcast.stack import prefork
 
 
 @dataclass
@@ -19,7 +20,7 @@ class ModuleProc:
     workdir: Path                  # holds <slug>.log and <slug>.ready
     args: list[str] = field(default_factory=list)
     env: dict = field(default_factory=dict)
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen | prefork.ForkedProcess | None = None
     prefix: list[str] = field(default_factory=list)   # e.g. ["ip", "netns", "exec", NS]: run it inside NS
 
     @property
@@ -39,7 +40,11 @@ class ModuleProc:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._ready = self.workdir / f"{self._slug}.ready"
         self._ready.unlink(missing_ok=True)
-        cmd = [*self.prefix, sys.executable, "-m", self.module, *self.args, "--ready-file", str(self._ready)]
+        args = [*self.args, "--ready-file", str(self._ready)]
+        if not self.prefix and prefork.enabled():   # forked from a process that imported it once
+            self.proc = prefork.fork_server().spawn(self.module, args, {**os.environ, **self.env}, str(self.log_path))
+            return self
+        cmd = [*self.prefix, sys.executable, "-m", self.module, *args]
         with open(self.log_path, "ab") as log:   # the child keeps its own descriptor
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
                                          **child_options())
