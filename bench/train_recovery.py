@@ -84,7 +84,8 @@ def _torchrun(cfg: TrainConfig, root: Path, every: int, kill_at: int) -> dict:
                               "--nproc-per-node", str(cfg.world_size), "--max-restarts", "3",
                               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_ports(1)[0]}",
                               "-m", "training.torchrun_rank", str(spec)],
-                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                             env={**os.environ, "TMPDIR": str(root)})   # its agent's scratch, kept with the run
     try:
         first = [root / "restart-0" / "rank1" / "progress.json"]
         _wait(lambda: _progress(first).get("step", 0) >= kill_at, 300, "torchrun's rank 1 at the kill step")

@@ -96,13 +96,13 @@ def rank_window(want: np.ndarray, holders: np.ndarray, lo: np.ndarray, table: np
         return np.zeros((len(want), 0), np.int64), np.zeros((len(want), 0), bool)
     key = np.where(want & (holders > 0), rarity_key(holders, lo, table, offset), _NONE)
     k = min(k, key.shape[1])
+    rows = np.arange(len(key))[:, None]     # indexing by (rows, columns): take_along_axis builds this per call
     if k == 1:
         idx = np.argmin(key, axis=1)[:, None]
     else:
         part = np.argpartition(key, k - 1, axis=1)[:, :k]
-        idx = np.take_along_axis(part, np.argsort(np.take_along_axis(key, part, axis=1), axis=1, kind="stable"),
-                                 axis=1)
-    return lo[:, None] + idx, np.take_along_axis(key, idx, axis=1) != _NONE
+        idx = part[rows, np.argsort(key[rows, part], axis=1, kind="stable")]
+    return lo[:, None] + idx, key[rows, idx] != _NONE
 
 
 def source_scores(holds: np.ndarray, same_rack: np.ndarray, mine_inflight: np.ndarray,

@@ -240,7 +240,8 @@ class VllmEngine:
             self.rpc_dir = tempfile.mkdtemp(prefix="weightcast-vllm-")
             # removed by stop_all, else when the engine is collected or the process exits
             self._remove_rpc_dir = weakref.finalize(self, shutil.rmtree, self.rpc_dir, ignore_errors=True)
-        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_RPC_BASE_PATH": self.rpc_dir,
+        # TMPDIR: vLLM's file rendezvous (vllm_dist_*) and other scratch it never removes go with the sockets
+        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_RPC_BASE_PATH": self.rpc_dir, "TMPDIR": self.rpc_dir,
                "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
         with open(log, "ab") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,

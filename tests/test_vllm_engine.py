@@ -3,6 +3,7 @@ the model server and the router, answering the official `openai` client: a cold 
 version beside the first, an in-place reload into a drained server, and the failures: a reload whose
 golden check fails (the server is stopped, the version never ready), a server that may not be reloaded
 in place, and an engine that cannot start."""
+import glob
 import hashlib
 import json
 import os
@@ -124,12 +125,14 @@ async def test_vllm_serves_reloads_in_place_and_never_serves_what_fails_its_chec
     finally:
         procs = [s.proc for s in [*engine.servers.values(), *engine.idle.values()]]
         rpc_dir = engine.rpc_dir
+        rendezvous = glob.glob(os.path.join(rpc_dir, "vllm_dist_*")) if rpc_dir else []
         await client.close()
         for r in (r2, r1):
             await r.cleanup()           # the model server's cleanup stops its engine's servers
         engine.stop_all()
     assert procs and all(p.poll() is not None for p in procs)
-    assert rpc_dir and not os.path.exists(rpc_dir)          # no ZMQ socket left behind in /tmp
+    assert rendezvous                   # vLLM's torch rendezvous files were in the engine's directory...
+    assert rpc_dir and not os.path.exists(rpc_dir)          # ...gone with it, with the ZMQ sockets: none left in /tmp
 
 
 def trained_llama_export(tmp_path: Path) -> Path:

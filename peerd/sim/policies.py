@@ -9,6 +9,7 @@ endgame duplicates) and a ``tick`` every second. Time advances in the same steps
 """
 from __future__ import annotations
 
+import collections
 import random
 import time
 
@@ -19,6 +20,28 @@ from peerd.sim.config import SimConfig
 from peerd.sim.fluid import rates_with_priority
 from peerd.sim.topology import build
 
+
+class _Flows(dict):
+    """(dst, src, chunk) -> [chunks left, start time]; src ORG is the origin. Counts each source's
+    flows as they come and go: a busy check per request would otherwise scan every flow."""
+
+    def __init__(self):
+        super().__init__()
+        self.by_source: collections.Counter[int] = collections.Counter()
+
+    def __setitem__(self, key, value):
+        if key not in self:
+            self.by_source[key[1]] += 1
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key):
+        super().__delitem__(key)
+        self.by_source[key[1]] -= 1
+
+    def pop(self, key, *default):
+        if key in self:
+            self.by_source[key[1]] -= 1
+        return super().pop(key, *default)
 
 class PolicyFleet:
     def __init__(self, cfg: SimConfig):
@@ -39,8 +62,7 @@ class PolicyFleet:
         self.alive = np.ones(N, bool)
         self.done_at = np.full(N, np.nan)
         self.fresh: list[list[int]] = [[] for _ in range(N)]   # finished since the last bitmap push
-        # flows: (dst, src, chunk) -> [chunks left, start time]; src ORG is the origin
-        self.flows: dict[tuple[int, int, int], list[float]] = {}
+        self.flows = _Flows()
         self.carry = np.zeros(N)
         self.detect: list[tuple[float, int]] = []
         self.stalls: list[tuple[float, int]] = []
@@ -54,7 +76,7 @@ class PolicyFleet:
         return self.ORG if name == ORIGIN else int(name)
 
     def _uploads(self, s: int) -> int:
-        return sum(1 for (_, src, _) in self.flows if src == s)
+        return self.flows.by_source[s]
 
     def _cancel(self, dst: int, cancels: list[Cancel]) -> None:
         for x in cancels:
