@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 from training.config import TrainConfig
 from training.data import source_for
 from training.flops import flops_per_token, matmul_peak
-from training.rank import device_for, leave, run_rank
+from training.rank import HF_MODEL_IMPORTS, RANK_IMPORTS, device_for, leave, run_rank
 from training.rank_logs import log_tail, merge_rank_logs, route_rank_logs
 
 
@@ -134,8 +134,11 @@ def launch(cfg: TrainConfig, out_dir: Path | None = None, timeout_s: float | Non
         else:
             # ranks fork from one server process per launcher that imported torch and this module once:
             # a spawned rank re-imported both (~2.5 CPU-s each) and the launcher's __main__. The server
-            # starts from a fresh interpreter, so a launcher that touched CUDA passes none of it on.
-            mp.set_forkserver_preload(["training.launch"])
+            # starts from a fresh interpreter, so a launcher that touched CUDA passes none of it on. It
+            # imports what a rank imports lazily too, transformers' Llama-family code included whatever
+            # this run's model: the server is started once per launcher, by its first run (1.5 CPU-s
+            # once, against 1.5 in every Llama-family rank)
+            mp.set_forkserver_preload(["training.launch", *RANK_IMPORTS, *HF_MODEL_IMPORTS])
             ctx = mp.start_processes(_spawned_rank, args=(cfg.to_dict(), str(work), netns), nprocs=cfg.world_size,
                                      start_method="forkserver", join=False)
             try:

@@ -33,6 +33,12 @@ from training.layouts import full_state_dict, placement, wrap
 from training.pipeline import Pipeline
 from training.wire_bytes import tcp_bytes_sent
 
+# what a rank imports lazily, for the servers ranks fork from to import once instead: DDP's constructor
+# imports torch._dynamo (0.5-0.9 s here, most of a small model's restart), checkpoint loading DCP's
+# state-dict helpers, and a Llama-family model transformers' modeling code (1.5 CPU-s a rank)
+RANK_IMPORTS = ("torch._dynamo", "torch.distributed.checkpoint.state_dict", "torch.nn.parallel")
+HF_MODEL_IMPORTS = ("transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2",
+                    "transformers.models.mistral.modeling_mistral")
 BACKWARD_OVER_FORWARD = 2.0     # backward costs about twice the forward (FLOPs): for the speed estimate
 
 

@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from training.rank import leave, run_rank
+from training.rank import RANK_IMPORTS, leave, run_rank
 
 
 def run_spec(spec_path: str) -> None:
@@ -28,10 +28,10 @@ def run_spec(spec_path: str) -> None:
 
 
 def preload() -> None:
-    """Import what a rank would otherwise import lazily: DDP's constructor imports torch._dynamo
-    (0.5-0.9 s here, most of a small model's restart), checkpoint loading imports DCP's state-dict
-    helpers."""
-    for name in ("torch._dynamo", "torch.distributed.checkpoint.state_dict", "torch.nn.parallel"):
+    """Import what a rank would otherwise import lazily (``training.rank.RANK_IMPORTS``). A host's
+    fork server starts before any run's config is known, so a Llama-family rank still imports
+    transformers' modeling code itself."""
+    for name in RANK_IMPORTS:
         importlib.import_module(name)
 
 
