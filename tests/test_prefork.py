@@ -46,6 +46,10 @@ def test_exits_by_signal_and_by_crash_read_as_popen_reads_them(server, tmp_path)
     proc.kill()
     assert proc.wait(30) == -signal.SIGKILL
     proc.kill()                                  # a second signal to an ended process is a no-op
+    interrupted, _ = start(server, tmp_path, "wait")
+    interrupted.send_signal(signal.SIGINT)        # Python's own handler, as in a fresh interpreter
+    assert interrupted.wait(30) == -signal.SIGINT
+    assert "KeyboardInterrupt" in (tmp_path / "child.log").read_text()
     crashed, _ = start(server, tmp_path, "raise")
     assert crashed.wait(30) == 1
     assert "ValueError: the daemon's own crash" in (tmp_path / "child.log").read_text()

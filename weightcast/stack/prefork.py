@@ -12,8 +12,9 @@ gives a plain child). It reaps its children and reports each exit status, so a s
 handled as a ``subprocess.Popen`` is: ``poll``, ``wait``, ``send_signal``, ``returncode``.
 
 Wire: JSON lines over a socket pair. Requests ``{"id", "module", "argv", "env", "cwd", "log"}``;
-answers ``{"id", "pid"}`` or ``{"id", "error"}``, and ``{"exited", "status"}`` for every child that
-ends (status as Popen's returncode: the exit code, or -N for signal N)."""
+answers ``{"id", "pid"}`` or ``{"id", "error"}``, and ``{"exited": id, "status"}`` for every child
+that ends (status as Popen's returncode: the exit code, or -N for signal N). Exits are keyed by the
+request, not the pid: a pid the kernel hands out again is another process."""
 from __future__ import annotations
 
 import importlib
@@ -56,6 +57,7 @@ def _run_child(req: dict, inherited: list[int]) -> None:
     try:
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)     # as a fresh interpreter has it
         for fd in inherited:
             os.close(fd)
         set_die_with_parent()
@@ -80,6 +82,9 @@ def _run_child(req: dict, inherited: list[int]) -> None:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if isinstance(e.code, str):
             print(e.code, file=sys.stderr)
+    except KeyboardInterrupt:    # an interpreter dies of the SIGINT it did not handle
+        traceback.print_exc()
+        code = -signal.SIGINT
     except BaseException:        # the daemon's own crash: its traceback goes to its log, as an interpreter's would
         traceback.print_exc()
         code = 1
@@ -89,6 +94,9 @@ def _run_child(req: dict, inherited: list[int]) -> None:
             atexit._run_exitfuncs()      # logging's and the daemon's own handlers, as at an interpreter's exit
             sys.stdout.flush()
             sys.stderr.flush()
+            if code < 0:
+                signal.signal(-code, signal.SIG_DFL)
+                os.kill(os.getpid(), -code)
         finally:
             os._exit(code & 0xFF)
 
@@ -106,6 +114,8 @@ def serve(sock_fd: int, modules: list[str]) -> None:
     def send(msg: dict) -> None:
         sock.sendall(json.dumps(msg).encode() + b"\n")
 
+    children: dict[int, int] = {}          # pid -> the request that started it
+
     def reap() -> None:
         while True:
             try:
@@ -114,7 +124,7 @@ def serve(sock_fd: int, modules: list[str]) -> None:
                 return
             if pid == 0:
                 return
-            send({"exited": pid, "status": _status(st)})
+            send({"exited": children.pop(pid), "status": _status(st)})
 
     send({"ready": os.getpid()})
     buf = b""
@@ -141,6 +151,7 @@ def serve(sock_fd: int, modules: list[str]) -> None:
                     continue
                 if pid == 0:
                     _run_child(req, [sock.fileno(), wake_r, wake_w])
+                children[pid] = req["id"]
                 send({"id": req["id"], "pid": pid})
         reap()                             # a child that ended between the signal and the fork's answer
 
@@ -163,20 +174,20 @@ class ForkedProcess:
     """A daemon started by the fork server, with the part of ``subprocess.Popen`` the stack uses. Its
     exit status comes from the server, which is its parent."""
 
-    def __init__(self, server: "ForkServer", pid: int, args: list[str]):
-        self._server, self.pid, self.args = server, pid, args
+    def __init__(self, server: "ForkServer", rid: int, pid: int, args: list[str]):
+        self._server, self._rid, self.pid, self.args = server, rid, pid, args
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            self.returncode = self._server.status(self.pid)
+            self.returncode = self._server.status(self._rid)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
         if self.returncode is None:
-            if not self._server.wait_exit(self.pid, timeout):
+            if not self._server.wait_exit(self._rid, timeout):
                 raise subprocess.TimeoutExpired(self.args, timeout)
-            self.returncode = self._server.status(self.pid)
+            self.returncode = self._server.status(self._rid)
         return self.returncode
 
     def send_signal(self, sig: int) -> None:
@@ -205,9 +216,9 @@ class ForkServer:
         self._sock: socket.socket | None = None
         self._failed: str | None = None
         self._pids: dict[int, int] = {}          # request id -> pid, until the request takes it
-        self._running: set[int] = set()
+        self._running: set[int] = set()          # request ids
         self._errors: dict[int, str] = {}
-        self._exited: dict[int, int] = {}        # pid -> status
+        self._exited: dict[int, int] = {}        # request id -> status
         self._ids = itertools.count()
 
     def _start(self) -> None:
@@ -245,15 +256,15 @@ class ForkServer:
                         self._running.discard(msg["exited"])
                     elif "pid" in msg:
                         self._pids[msg["id"]] = msg["pid"]
-                        self._running.add(msg["pid"])
+                        self._running.add(msg["id"])
                     elif "error" in msg:
                         self._errors[msg["id"]] = msg["error"]
                 self._cond.notify_all()
         code = proc.wait()
         with self._cond:       # its children got SIGTERM with it (PR_SET_PDEATHSIG); their own statuses are lost
             self._failed = f"the fork server ended ({describe_exit(code)}); see the launching process's stderr"
-            for pid in self._running:
-                self._exited[pid] = -signal.SIGTERM
+            for rid in self._running:
+                self._exited[rid] = -signal.SIGTERM
             self._running.clear()
             self._cond.notify_all()
 
@@ -274,15 +285,15 @@ class ForkServer:
             if rid in self._errors or rid not in self._pids:
                 raise ForkServerError(self._errors.pop(rid, self._failed))
             pid = self._pids.pop(rid)
-        return ForkedProcess(self, pid, [sys.executable, "-m", module, *argv])
+        return ForkedProcess(self, rid, pid, [sys.executable, "-m", module, *argv])
 
-    def status(self, pid: int) -> int | None:
+    def status(self, rid: int) -> int | None:
         with self._cond:
-            return self._exited.get(pid)
+            return self._exited.get(rid)
 
-    def wait_exit(self, pid: int, timeout: float | None) -> bool:
+    def wait_exit(self, rid: int, timeout: float | None) -> bool:
         with self._cond:
-            return self._cond.wait_for(lambda: pid in self._exited, timeout)
+            return self._cond.wait_for(lambda: rid in self._exited, timeout)
 
 
 _server: ForkServer | None = None
