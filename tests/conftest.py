@@ -112,10 +112,11 @@ _sources: dict[str, str] = {}
 
 # `make test` runs pytest-xdist workers, a file at a time each (--dist loadfile), the longest files
 # first (by their wall time in a two-worker run), so that no worker is left with one at the end
-_LONGEST = ["test_training_workflow.py", "test_vllm_engine.py", "test_cli_bench.py", "test_rollout_controls.py",
-            "test_rollout_network.py", "test_training.py", "test_rollout_faults.py", "test_rollout_shape.py",
-            "test_training_llama.py", "test_full_size_rollout.py", "test_peerd_swarm.py", "test_publish_dev.py",
-            "test_training_swarm.py", "test_netns.py", "test_sim.py", "test_train_to_rollout.py"]
+_LONGEST = ["test_training_workflow.py", "test_vllm_engine.py", "test_cli_bench.py", "test_rollout_network.py",
+            "test_rollout_controls.py", "test_rollout_shape.py", "test_publish_dev.py", "test_training.py",
+            "test_full_size_rollout.py", "test_training_llama.py", "test_rollout_faults.py", "test_sim.py",
+            "test_training_swarm.py", "test_peerd_swarm.py", "test_netns.py", "test_rollout_analysis.py",
+            "test_train_to_rollout.py"]
 
 
 def pytest_configure(config):
