@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
 import subprocess
 import sys
@@ -17,6 +18,18 @@ def set_die_with_parent() -> None:
     """This process gets SIGTERM when its parent (the thread that forked it) ends."""
     if _prctl is not None:
         _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def redirect_to_log(path: str | Path) -> None:
+    """In a forked child: stdin from /dev/null, stdout and stderr appended to ``path``, as a child
+    started with those redirections would have them."""
+    log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    os.close(null)
 
 
 def child_options(pool_thread: bool = False) -> dict:

@@ -31,6 +31,8 @@ import sys
 import traceback
 from pathlib import Path
 
+from lib.processes import redirect_to_log
+
 
 def _child_setup(wake_fds: tuple[int, int]) -> None:
     signal.set_wakeup_fd(-1)
@@ -55,13 +57,7 @@ def _fork_rank(spec: str, log: str, wake_fds: tuple[int, int]) -> int:
         os.close(in_session_r)
         os.close(in_session_w)
         _child_setup(wake_fds)
-        out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        os.dup2(out, 1)
-        os.dup2(out, 2)
-        os.close(out)
-        os.close(null)
+        redirect_to_log(log)
         from training.supervised_rank import run_spec
         run_spec(spec)                  # leaves with os._exit(0) once the rank is done
         code = 0

@@ -32,7 +32,7 @@ import traceback
 
 import setproctitle
 
-from lib.processes import child_options, describe_exit, set_die_with_parent
+from lib.processes import child_options, describe_exit, redirect_to_log, set_die_with_parent
 
 # what the stack forks (peerd, host workers, the rollout-shape benchmark's control worker); a module not
 # listed still starts, importing what it needs after the fork
@@ -61,13 +61,7 @@ def _run_child(req: dict, inherited: list[int]) -> None:
         for fd in inherited:
             os.close(fd)
         set_die_with_parent()
-        log = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
-        os.close(log)
-        os.close(null)
+        redirect_to_log(req["log"])
         # `ps` and /proc/PID/cmdline show what `python -m` would have shown (before the environment
         # changes: the title takes the space of the server's own arguments and environment)
         setproctitle.setproctitle(" ".join([sys.executable, "-m", req["module"], *req["argv"]]))
