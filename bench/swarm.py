@@ -139,7 +139,7 @@ async def _run(cfg: SwarmBenchConfig, net: Topology | None, progress=None) -> di
                                   extra=extra, hosts={h: place[h].addr for h in ids},
                                   racks={h: f"r{place[h].rack}" for h in ids})
                 procs.append(PeerdProc(i, ports[i], work / "hosts" / i / "store", args, env=s3.env(),
-                                       host=place[i].addr, prefix=place[i].run(), token=token))
+                                       host=place[i].addr, netns=place[i].ns, token=token))
             else:
                 args = fleet_args(i, ports, trusted_key=work / "key.pub", rate=cfg.rate,
                                   origin_rate=cfg.rate / len(seeders), extra=extra)

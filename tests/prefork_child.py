@@ -9,6 +9,7 @@ def main(argv=None) -> int:
     out, action = argv[0], argv[1]
     with open(out + ".part", "w") as f:
         json.dump({"argv": argv, "cwd": os.getcwd(), "env": os.environ.get("PREFORK_TEST"), "pid": os.getpid(),
+                   "netns": os.stat("/proc/self/ns/net").st_ino,
                    "cmdline": open("/proc/self/cmdline").read().replace("\0", " ").strip()}, f)
     os.replace(out + ".part", out)
     print(f"started with {argv}", flush=True)

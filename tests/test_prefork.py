@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import uuid
 
 import pytest
 
@@ -18,11 +19,11 @@ def server():
     return ForkServer(modules=("tests.prefork_child",))
 
 
-def start(server, tmp_path, *args, env=None):
+def start(server, tmp_path, *args, env=None, netns=None):
     out = tmp_path / "started.json"
     out.unlink(missing_ok=True)
     proc = server.spawn("tests.prefork_child", [str(out), *args], {**os.environ, **(env or {})},
-                        str(tmp_path / "child.log"))
+                        str(tmp_path / "child.log"), netns)
     until_sync(out.exists, 30, "the child's record")
     return proc, json.loads(out.read_text())
 
@@ -86,3 +87,15 @@ def test_a_server_that_cannot_import_its_modules_fails_the_start_at_once(tmp_pat
     server = ForkServer(modules=("weightcast.no_such_module",))
     with pytest.raises(ForkServerError, match="fork server ended"):
         server.spawn("tests.prefork_child", [str(tmp_path / "x"), "exit", "0"], dict(os.environ), str(tmp_path / "x.log"))
+
+
+def test_a_daemon_forked_into_a_network_namespace_runs_there(server, tmp_path):
+    """As ``ip netns exec NS`` would run it: a stack's host on a kernel network (lib/netns.py)."""
+    ns = f"wc-prefork-{uuid.uuid4().hex[:6]}"
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    try:
+        proc, seen = start(server, tmp_path, "exit", "0", netns=ns)
+        assert proc.wait(30) == 0
+        assert seen["netns"] == os.stat(f"/run/netns/{ns}").st_ino != os.stat("/proc/self/ns/net").st_ino
+    finally:
+        subprocess.run(["ip", "netns", "delete", ns], check=True)

@@ -118,7 +118,7 @@ class EmbeddedStack:
                                                    origin_rate=rate / len(self.host_ids) if rate else None,
                                                    extra=["--dead-after", "2"], hosts=addr),
                                         env=self.s3.env(), token=self.token,
-                                        **({"host": place[i].addr, "prefix": place[i].run()} if net else {}))
+                                        **({"host": place[i].addr, "netns": place[i].ns} if net else {}))
                            for i in self.host_ids})
         for p in self.peerd.values():
             p.launch()
@@ -137,7 +137,7 @@ class EmbeddedStack:
                      "--trusted-key", str(self.trusted_key),
                      *(["--vllm-optimization-level", str(self.vllm_optimization_level)]
                        if self.vllm_optimization_level is not None else [])],
-                    env={"WEIGHTCAST_ADMIN_TOKEN": self.admin_token}, prefix=place[i].run()).launch()
+                    env={"WEIGHTCAST_ADMIN_TOKEN": self.admin_token}, netns=place[i].ns).launch()
             else:
                 self.model_servers[i] = ModelServer(i, engine=make_engine(self.engine, self.root / i / "vllm",
                                                                           vllm_optimization_level=self.vllm_optimization_level),
@@ -154,7 +154,7 @@ class EmbeddedStack:
                  "--store", str(self.peerd[i].store), "--model-server", server,
                  "--preload-training" if self.preload_training else "--no-preload-training"],
                 env={"WEIGHTCAST_ADMIN_TOKEN": self.admin_token, "WEIGHTCAST_TOKEN": self.token},
-                prefix=place[i].run() if net else []).launch()
+                netns=place[i].ns if net else None).launch()
         for p in [*self.peerd.values(), *self.model_server_procs.values(), *self.host_workers.values()]:
             await asyncio.to_thread(p.wait_ready)
         env = self.s3.env()

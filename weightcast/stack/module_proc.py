@@ -21,7 +21,7 @@ class ModuleProc:
     args: list[str] = field(default_factory=list)
     env: dict = field(default_factory=dict)
     proc: subprocess.Popen | prefork.ForkedProcess | None = None
-    prefix: list[str] = field(default_factory=list)   # e.g. ["ip", "netns", "exec", NS]: run it inside NS
+    netns: str | None = None       # run it inside this network namespace (a lib/netns.py host's)
 
     @property
     def _slug(self) -> str:
@@ -41,10 +41,12 @@ class ModuleProc:
         self._ready = self.workdir / f"{self._slug}.ready"
         self._ready.unlink(missing_ok=True)
         args = [*self.args, "--ready-file", str(self._ready)]
-        if not self.prefix and prefork.enabled():   # forked from a process that imported it once
-            self.proc = prefork.fork_server().spawn(self.module, args, {**os.environ, **self.env}, str(self.log_path))
+        if prefork.enabled():          # forked from a process that imported it once
+            self.proc = prefork.fork_server().spawn(self.module, args, {**os.environ, **self.env}, str(self.log_path),
+                                                    self.netns)
             return self
-        cmd = [*self.prefix, sys.executable, "-m", self.module, *args]
+        prefix = ["ip", "netns", "exec", self.netns] if self.netns else []
+        cmd = [*prefix, sys.executable, "-m", self.module, *args]
         with open(self.log_path, "ab") as log:   # the child keeps its own descriptor
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
                                          **child_options())

@@ -7,16 +7,16 @@ from weightcast.stack.module_proc import ModuleProc
 
 
 class PeerdProc(ModuleProc):
-    """``host``: the address it listens on; ``prefix``: what runs it (``ip netns exec NS``: a host of a
+    """``host``: the address it listens on; ``netns``: the network namespace it runs in (a host of a
     lib/netns.py topology)."""
 
     def __init__(self, id: str, port: int, store: Path, args: list[str] = (), env: dict | None = None,
-                 host: str = "127.0.0.1", prefix: list[str] = (), token: str = ""):
+                 host: str = "127.0.0.1", netns: str | None = None, token: str = ""):
         listen = ["--listen", host] if host != "127.0.0.1" else []
         # the cluster token by environment, never on the command line (`ps` shows that to every user)
         super().__init__(f"peerd {id}", "peerd", store.parent,
                          ["--id", id, "--store", str(store), "--port", str(port), *listen, *args],
-                         {**(env or {}), "WEIGHTCAST_TOKEN": token}, prefix=list(prefix))
+                         {**(env or {}), "WEIGHTCAST_TOKEN": token}, netns=netns)
         self.id, self.port, self.store, self.host = id, port, store, host
         self.store.mkdir(parents=True, exist_ok=True)
 

@@ -4,14 +4,15 @@ A fresh interpreter for peerd or a host worker spends about a CPU-second importi
 numpy and temporalio before its first line runs; a stack of N hosts starts 2N of them, and restarts one
 after every crash. The fork server here imports those modules once (``python -m weightcast.stack.prefork
 MODULE...``); each start is then a fork that runs the module's ``main(argv)`` with its own arguments,
-environment, working directory and log, and the process title ``ps`` would show for ``python -m``.
+environment, working directory, log and network namespace (a host of a lib/netns.py topology), and the
+process title ``ps`` would show for ``python -m``.
 
 The server is one per launching process, started by a thread that lives as long as that process (the
 server dies with it, and the daemons with the server: both by PR_SET_PDEATHSIG, as ``child_options``
 gives a plain child). It reaps its children and reports each exit status, so a started daemon is
 handled as a ``subprocess.Popen`` is: ``poll``, ``wait``, ``send_signal``, ``returncode``.
 
-Wire: JSON lines over a socket pair. Requests ``{"id", "module", "argv", "env", "cwd", "log"}``;
+Wire: JSON lines over a socket pair. Requests ``{"id", "module", "argv", "env", "cwd", "log", "netns"}``;
 answers ``{"id", "pid"}`` or ``{"id", "error"}``, and ``{"exited": id, "status"}`` for every child
 that ends (status as Popen's returncode: the exit code, or -N for signal N). Exits are keyed by the
 request, not the pid: a pid the kernel hands out again is another process."""
@@ -61,6 +62,9 @@ def _run_child(req: dict, inherited: list[int]) -> None:
         for fd in inherited:
             os.close(fd)
         set_die_with_parent()
+        if req.get("netns"):         # as `ip netns exec` would run it: every socket it opens is in there
+            from lib.netns import enter
+            enter(req["netns"])
         redirect_to_log(req["log"])
         # `ps` and /proc/PID/cmdline show what `python -m` would have shown (before the environment
         # changes: the title takes the space of the server's own arguments and environment)
@@ -262,14 +266,14 @@ class ForkServer:
             self._running.clear()
             self._cond.notify_all()
 
-    def spawn(self, module: str, argv: list[str], env: dict, log: str) -> ForkedProcess:
+    def spawn(self, module: str, argv: list[str], env: dict, log: str, netns: str | None = None) -> ForkedProcess:
         with self._cond:
             if self._thread is None:
                 self._start()
             if self._failed:
                 raise ForkServerError(self._failed)
             rid = next(self._ids)
-        req = {"id": rid, "module": module, "argv": argv, "env": env, "cwd": os.getcwd(), "log": log}
+        req = {"id": rid, "module": module, "argv": argv, "env": env, "cwd": os.getcwd(), "log": log, "netns": netns}
         with self._send_lock:
             self._sock.sendall(json.dumps(req).encode() + b"\n")
         with self._cond:
