@@ -20,6 +20,15 @@ def set_die_with_parent() -> None:
         _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def reset_forked_child(inherited_fds) -> None:
+    """In a child forked from a fork server: no signal wakeup fd, SIGCHLD back to its default, and the
+    server's own descriptors (its control channel, its wakeup pipe) closed."""
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for fd in inherited_fds:
+        os.close(fd)
+
+
 def redirect_to_log(path: str | Path) -> None:
     """In a forked child: stdin from /dev/null, stdout and stderr appended to ``path``, as a child
     started with those redirections would have them."""

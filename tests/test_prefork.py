@@ -51,6 +51,8 @@ def test_exits_by_signal_and_by_crash_read_as_popen_reads_them(server, tmp_path)
     interrupted.send_signal(signal.SIGINT)        # Python's own handler, as in a fresh interpreter
     assert interrupted.wait(30) == -signal.SIGINT
     assert "KeyboardInterrupt" in (tmp_path / "child.log").read_text()
+    negative, _ = start(server, tmp_path, "exit", "-1")
+    assert negative.wait(30) == 255                # as `sys.exit(-1)` ends an interpreter, not a signal
     crashed, _ = start(server, tmp_path, "raise")
     assert crashed.wait(30) == 1
     assert "ValueError: the daemon's own crash" in (tmp_path / "child.log").read_text()

@@ -31,14 +31,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from lib.processes import redirect_to_log
-
-
-def _child_setup(wake_fds: tuple[int, int]) -> None:
-    signal.set_wakeup_fd(-1)
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    for fd in wake_fds:
-        os.close(fd)
+from lib.processes import redirect_to_log, reset_forked_child
 
 
 def _fork_rank(spec: str, log: str, wake_fds: tuple[int, int]) -> int:
@@ -56,7 +49,7 @@ def _fork_rank(spec: str, log: str, wake_fds: tuple[int, int]) -> int:
         os.setsid()
         os.close(in_session_r)
         os.close(in_session_w)
-        _child_setup(wake_fds)
+        reset_forked_child(wake_fds)
         redirect_to_log(log)
         from training.supervised_rank import run_spec
         run_spec(spec)                  # leaves with os._exit(0) once the rank is done
@@ -78,7 +71,7 @@ def _fork_peak(threads: int, precision: str, wake_fds: tuple[int, int]) -> int:
         return pid
     code = 1
     try:
-        _child_setup(wake_fds)
+        reset_forked_child(wake_fds)
         import torch
         from training.flops import matmul_peak
         from training.rank import device_for

@@ -43,6 +43,7 @@ class _Flows(dict):
             self.by_source[key[1]] -= 1
         return super().pop(key, *default)
 
+
 class PolicyFleet:
     def __init__(self, cfg: SimConfig):
         self.cfg = cfg

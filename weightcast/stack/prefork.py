@@ -33,7 +33,7 @@ import traceback
 
 import setproctitle
 
-from lib.processes import child_options, describe_exit, redirect_to_log, set_die_with_parent
+from lib.processes import child_options, describe_exit, redirect_to_log, reset_forked_child, set_die_with_parent
 
 # what the stack forks (peerd, host workers, the rollout-shape benchmark's control worker); a module not
 # listed still starts, importing what it needs after the fork
@@ -48,19 +48,12 @@ def _main_module(module: str) -> str:
 
 # ---------------------------------------------------------------- the server (its own process)
 
-def _status(wait_status: int) -> int:
-    return -os.WTERMSIG(wait_status) if os.WIFSIGNALED(wait_status) else os.waitstatus_to_exitcode(wait_status)
-
-
 def _run_child(req: dict, inherited: list[int]) -> None:
     """In the forked child: become the daemon ``req`` asks for, run it, and exit with its code."""
-    code = 1
+    code, died_of = 1, None
     try:
-        signal.set_wakeup_fd(-1)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        reset_forked_child(inherited)
         signal.signal(signal.SIGINT, signal.default_int_handler)     # as a fresh interpreter has it
-        for fd in inherited:
-            os.close(fd)
         set_die_with_parent()
         if req.get("netns"):         # as `ip netns exec` would run it: every socket it opens is in there
             from lib.netns import enter
@@ -82,7 +75,7 @@ def _run_child(req: dict, inherited: list[int]) -> None:
             print(e.code, file=sys.stderr)
     except KeyboardInterrupt:    # an interpreter dies of the SIGINT it did not handle
         traceback.print_exc()
-        code = -signal.SIGINT
+        died_of = signal.SIGINT
     except BaseException:        # the daemon's own crash: its traceback goes to its log, as an interpreter's would
         traceback.print_exc()
         code = 1
@@ -92,9 +85,9 @@ def _run_child(req: dict, inherited: list[int]) -> None:
             atexit._run_exitfuncs()      # logging's and the daemon's own handlers, as at an interpreter's exit
             sys.stdout.flush()
             sys.stderr.flush()
-            if code < 0:
-                signal.signal(-code, signal.SIG_DFL)
-                os.kill(os.getpid(), -code)
+            if died_of is not None:
+                signal.signal(died_of, signal.SIG_DFL)
+                os.kill(os.getpid(), died_of)
         finally:
             os._exit(code & 0xFF)
 
@@ -122,9 +115,8 @@ def serve(sock_fd: int, modules: list[str]) -> None:
                 return
             if pid == 0:
                 return
-            send({"exited": children.pop(pid), "status": _status(st)})
+            send({"exited": children.pop(pid), "status": os.waitstatus_to_exitcode(st)})
 
-    send({"ready": os.getpid()})
     buf = b""
     while True:
         try:
