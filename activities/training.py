@@ -2,9 +2,10 @@
 
 ``train_rank`` forks a rank (training/supervised_rank.py) in its own session from the host's fork
 server (training/fork_server.py), heartbeats the step, loss and last complete checkpoint it reads
-from the rank's progress file, and on cancellation kills the process group. The worker itself does
-not import torch: the fork server and its ranks do, and the one host that exports. A rank that exits non-zero fails the activity (non-retryable): the workflow, not a
-retry, decides how to recover.
+from the rank's progress file, and on cancellation kills the process group. ``export_weights`` forks
+the export of the finished weights from the same server. The worker itself never imports torch: the
+fork server and its children do. A rank that exits non-zero fails the activity (non-retryable): the
+workflow, not a retry, decides how to recover.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from training.flops import flops_per_token, model_parallel_degree
 from training.fork_server import ForkServer
 from training.metrics import TrainingMetrics
 from lib.ports import free_ports
-from lib.processes import last_lines
+from lib.processes import describe_exit, last_lines
 from workflows.training_types import (ExportInput, RunControl, TrainRankInput, TrainRankResult, host_checkpoint_dir,
                                       node_local)
 
@@ -150,12 +151,22 @@ class TrainingActivities:
     async def export_weights(self, inp: ExportInput) -> str:
         """The newest complete checkpoint as an HF-style safetensors checkpoint with smoke material."""
         here = dataclasses.replace(inp, checkpoint_dir=host_checkpoint_dir(inp.checkpoint_dir, self.host_id))
-        return str(await asyncio.to_thread(_export, here))
-
-
-def _export(inp: ExportInput) -> Path:
-    from training.export import export_checkpoint      # torch: imported by the one host that exports
-    return export_checkpoint(inp)
+        d = self.work / inp.run / f"export-{activity.info().attempt}"
+        d.mkdir(parents=True, exist_ok=True)
+        spec = d / "spec.json"
+        spec.write_text(json.dumps(dataclasses.asdict(here)))
+        proc = await self.forks.start(spec, d / "export.log", kind="export")     # torch lives in the fork server
+        try:
+            code = await proc.wait()
+        except asyncio.CancelledError:
+            proc.kill()
+            await proc.wait()
+            raise
+        if code != 0:
+            tail = [ln for ln in last_lines(d / "export.log", 3) if ln.strip()]
+            raise ApplicationError(f"the export on {self.host_id} {describe_exit(code)}: " + " | ".join(tail),
+                                   type="ExportFailed")
+        return inp.export_dir
 
 
 async def _beating(work, beat, every_s: float):

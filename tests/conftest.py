@@ -102,6 +102,26 @@ def hf_checkpoints(tmp_path_factory):
     return {arch: (root / arch, goldens[arch]) for arch in hf_build.ARCHITECTURES}
 
 
+@pytest.fixture(scope="session")
+def rank_zygote_socket(tmp_path_factory):
+    """The run's rank zygote (training/zygote.py), started on first use: torch and the training code
+    imported once, not once per host worker's fork server (about 4.5 CPU-seconds each)."""
+    from training import zygote
+    d = tmp_path_factory.mktemp("zygote")
+    proc = zygote.start(d / "zygote.sock", d / "zygote.log")
+    yield str(d / "zygote.sock")
+    proc.stdin.close()
+    proc.wait(30)
+
+
+@pytest.fixture
+def rank_zygote(rank_zygote_socket, monkeypatch):
+    """Host workers this test starts fork their rank fork servers from the run's zygote."""
+    from training.zygote import ENV
+    monkeypatch.setenv(ENV, rank_zygote_socket)
+    return rank_zygote_socket
+
+
 # What makes a test an integration test: it starts real processes (servers, daemons, ranks, engines)
 # or network namespaces. `make test-fast` runs the rest; `make test` runs everything.
 _REAL = ("EmbeddedStack", "Stack()", "Fleet(", "subprocess", "Topology(", "launch(", "weightcast.cli import main",

@@ -36,6 +36,7 @@ def test_sim_runs_the_policy_objects_with_peerd_flags(capsys):
     assert "use --engine fleet" in capsys.readouterr().err
 
 
+@pytest.mark.usefixtures("rank_zygote")          # the demo's host workers fork their rank servers from it
 def test_demo_end_to_end():
     import asyncio
 

@@ -17,7 +17,7 @@ from workflows.rollout import RolloutWorkflow
 
 
 @pytest.fixture
-def dev_stack(tmp_path):
+def dev_stack(tmp_path, rank_zygote):
     d = tmp_path / "dev"
     assert main(["dev", "up", "--dir", str(d), "--hosts", "2", "--temporal-port", "0", "--ui-port", "0"]) == 0
     state = json.loads((d / "state.json").read_text())

@@ -26,6 +26,9 @@ from workflows.training import TrainingWorkflow
 from workflows.training_types import TrainingInput
 from workflows.types import RolloutInput
 
+# host workers fork their rank fork servers from the run's zygote (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("rank_zygote")
+
 HOSTS = ["h0", "h1", "h2"]
 
 

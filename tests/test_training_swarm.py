@@ -26,6 +26,9 @@ from workflows.training import TrainingWorkflow
 from workflows.training_types import TrainingInput
 from workflows.types import CONTROL_QUEUE
 
+# host workers fork their rank fork servers from the run's zygote (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("rank_zygote")
+
 HOSTS = ["s0", "s1", "s2"]
 STEPS = 600             # ~8 s of training here: the fault lands mid-run
 

@@ -33,6 +33,10 @@ from workflows.types import CONTROL_QUEUE
 from tests.training_fixtures import CONFIG, hosts, progress
 from tests.waiting import until
 
+# host workers fork their rank fork servers from the run's zygote (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("rank_zygote")
+
+
 def plain_loss(out: Path, overrides=()) -> float:
     """The held-out loss of the same run's final weights, trained in one go by `weightcast train run`."""
     cfg = TrainConfig.load(None, [*CONFIG, *overrides])

@@ -4,6 +4,7 @@ generation_config.json, bf16 safetensors shards + index, and the run's tokenizer
 ``from_pretrained`` and vLLM load unchanged."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -33,6 +34,11 @@ def export_checkpoint(inp: ExportInput) -> Path:
         return export_hf(model, cfg, Path(inp.export_dir))
     with torch.no_grad():
         return write_model(Path(inp.export_dir), model, cfg.model, version=inp.version)
+
+
+def export_spec(spec_path: str) -> None:
+    """``export_checkpoint`` of the ExportInput in the JSON file ``spec_path`` (a fork server's child)."""
+    export_checkpoint(ExportInput(**json.loads(Path(spec_path).read_text())))
 
 
 def export_hf(model, cfg: TrainConfig, out: Path, max_shard_size: str = "512MB") -> Path:

@@ -8,12 +8,18 @@ stdout:
 - ``rank SPEC LOG``: fork a rank; ``started PID`` once it runs, ``exited PID CODE`` when it ends (CODE
   as ``Popen.returncode``: negative for a signal). Each rank runs in its own session (its process
   group is its pid, for ``killpg``) with stdout and stderr appended to LOG.
+- ``export SPEC LOG``: the same for the export of a finished run's weights (SPEC: an ExportInput as
+  JSON), so that the host worker that exports does not import torch either.
 - ``peak THREADS PRECISION``: this host's matmul FLOP/s with that many CPU threads in that precision
   (the bound of MFU), measured in a forked child so that the server's own threads stay unstarted;
   ``peak THREADS PRECISION VALUE``, or ``failed`` for VALUE.
 The server is single-threaded (select on stdin and a SIGCHLD wake-up pipe), so nothing holds a lock
 across ``fork``. On end of stdin, its host worker gone, it exits; ranks it forked run on in their
 sessions, as ranks of a worker that died always have.
+
+Where many host workers share one machine (a dev stack, the test suite), ``WEIGHTCAST_RANK_ZYGOTE``
+names a zygote (training/zygote.py) that forks this same server ready-imported, instead of an
+interpreter importing torch for every host.
 
 ``ForkServer`` is the host worker's side: ``start(spec, log)`` returns a ``ForkedRank`` with the
 ``pid``, ``returncode``, ``wait()`` and ``kill()`` of a subprocess, ``peak(threads, precision)`` the
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import os
 import select
 import signal
@@ -32,11 +39,23 @@ import traceback
 from pathlib import Path
 
 from lib.processes import redirect_to_log, reset_forked_child
+from training.zygote import ENV as ZYGOTE_ENV, ZygoteError, spawn as spawn_from_zygote
+
+logger = logging.getLogger(__name__)
 
 
-def _fork_rank(spec: str, log: str, wake_fds: tuple[int, int]) -> int:
-    """Fork one rank; in the child, run it and never return. Returns once the child leads its own
-    session, so whoever gets the pid can signal its process group."""
+def _run(kind: str, spec: str) -> None:
+    if kind == "rank":
+        from training.supervised_rank import run_spec
+        run_spec(spec)                  # leaves with os._exit(0) once the rank is done
+    else:
+        from training.export import export_spec
+        export_spec(spec)
+
+
+def _fork_rank(kind: str, spec: str, log: str, wake_fds: tuple[int, int]) -> int:
+    """Fork one rank (or export); in the child, run it and never return. Returns once the child leads
+    its own session, so whoever gets the pid can signal its process group."""
     in_session_r, in_session_w = os.pipe()
     pid = os.fork()
     if pid:
@@ -51,8 +70,7 @@ def _fork_rank(spec: str, log: str, wake_fds: tuple[int, int]) -> int:
         os.close(in_session_w)
         reset_forked_child(wake_fds)
         redirect_to_log(log)
-        from training.supervised_rank import run_spec
-        run_spec(spec)                  # leaves with os._exit(0) once the rank is done
+        _run(kind, spec)
         code = 0
     except SystemExit as e:
         code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
@@ -125,8 +143,8 @@ def serve() -> None:
             *lines, pending = pending.split(b"\n")
             for line in lines:
                 kind, *args = line.decode().split("\t")
-                if kind == "rank":
-                    pid = _fork_rank(args[0], args[1], (wake_r, wake_w))
+                if kind in ("rank", "export"):
+                    pid = _fork_rank(kind, args[0], args[1], (wake_r, wake_w))
                     children.add(pid)
                     os.write(1, f"started {pid}\n".encode())
                 else:
@@ -177,10 +195,12 @@ class ForkServer:
         comes before the first rank."""
         self._warming = asyncio.ensure_future(self._running())
 
-    async def start(self, spec: Path, log: Path) -> ForkedRank:
+    async def start(self, spec: Path, log: Path, kind: str = "rank") -> ForkedRank:
+        """Fork a rank (``kind`` "rank": training.supervised_rank's SPEC) or an export of a finished run
+        ("export": training.export's SPEC, an ExportInput)."""
         started = asyncio.get_running_loop().create_future()
         self._starting.append(started)
-        await self._send(f"rank\t{spec}\t{log}")
+        await self._send(f"{kind}\t{spec}\t{log}")
         pid = await started
         return ForkedRank(pid, self._exits[pid])
 
@@ -205,10 +225,19 @@ class ForkServer:
 
     async def _spawn(self) -> None:
         self.log.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log, "ab") as err:
-            self._proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "training.fork_server", stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE, stderr=err, start_new_session=True)
+        self._proc = None
+        zygote = os.environ.get(ZYGOTE_ENV)
+        if zygote:                       # many host workers on one machine: forked ready-imported
+            try:
+                self._proc = await spawn_from_zygote(zygote, self.log)
+            except (OSError, ZygoteError) as e:
+                logger.warning("rank zygote unusable, starting the fork server itself",
+                            extra={"zygote": zygote, "error": str(e)})
+        if self._proc is None:
+            with open(self.log, "ab") as err:
+                self._proc = await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", "training.fork_server", stdin=asyncio.subprocess.PIPE,
+                    stdout=asyncio.subprocess.PIPE, stderr=err, start_new_session=True)
         self._reader = asyncio.create_task(self._read(self._proc))
 
     async def _read(self, proc: asyncio.subprocess.Process) -> None:
