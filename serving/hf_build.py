@@ -7,7 +7,13 @@ sharded safetensors and ``model.safetensors.index.json``. For the demo, the test
 """
 from __future__ import annotations
 
+import dataclasses
+import fcntl
 import functools
+import hashlib
+import json
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -19,6 +25,7 @@ from serving.hf_build_lock import BUILD
 Architecture = Literal["llama", "qwen2", "gpt2"]
 ARCHITECTURES: tuple[Architecture, ...] = ("llama", "qwen2", "gpt2")
 EOS = "<|endoftext|>"
+CACHE_ENV = "WEIGHTCAST_HF_BUILD_CACHE"
 # role-tagged turns, then the assistant's tag when a reply is wanted (what `apply_chat_template` renders)
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
@@ -88,10 +95,38 @@ def build(arch: Architecture, out: Path, *, seed: int = 0, size: Size = TINY, dt
     """An ``arch`` model trained for ``train_steps`` steps on ``corpus()`` (a few seconds on a CPU at the
     tiny size) and saved at ``out`` in ``dtype``, sharded at ``max_shard_size``. Trained, because a
     random model's greedy choices are near ties that any change of arithmetic flips: golden prompts
-    (``serving/golden.py``) need a model that answers decisively, as real checkpoints do."""
-    from transformers import AutoModelForCausalLM
+    (``serving/golden.py``) need a model that answers decisively, as real checkpoints do.
+
+    Where ``WEIGHTCAST_HF_BUILD_CACHE`` names a directory (the test suite sets one per run), a build of
+    the same arguments, code, library versions and torch thread count is made once there and copied to
+    ``out`` after that: what this build would write, without the CPU-seconds of its training."""
     if arch not in ARCHITECTURES:
         raise ValueError(f"architecture {arch!r}: one of {', '.join(ARCHITECTURES)}")
+    args = (arch, seed, size, dtype, train_steps, max_shard_size)
+    cache = os.environ.get(CACHE_ENV)
+    if not cache:
+        return _build(*args, Path(out))
+    import transformers
+    key = hashlib.sha256(json.dumps([arch, seed, dataclasses.asdict(size), str(dtype), train_steps, max_shard_size,
+                                     torch.__version__, transformers.__version__, torch.get_num_threads(),
+                                     Path(__file__).read_text()]).encode()).hexdigest()[:24]
+    root = Path(cache)
+    root.mkdir(parents=True, exist_ok=True)
+    entry = root / key
+    with open(root / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)         # one builder per entry, across threads and processes
+        if not entry.exists():
+            scratch = root / f"{key}.partial"
+            shutil.rmtree(scratch, ignore_errors=True)
+            _build(*args, scratch)
+            scratch.rename(entry)
+    shutil.copytree(entry, out, dirs_exist_ok=True)
+    return Path(out)
+
+
+def _build(arch: Architecture, seed: int, size: Size, dtype: torch.dtype, train_steps: int, max_shard_size: str,
+           out: Path) -> Path:
+    from transformers import AutoModelForCausalLM
     torch.manual_seed(seed)
     with BUILD:
         model = AutoModelForCausalLM.from_config(config(arch, size, dtype=torch.float32), dtype=torch.float32)

@@ -78,6 +78,20 @@ def temporal(temporal_server):
     return SharedTemporal(temporal_server, f"test-{uuid.uuid4().hex[:12]}")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def hf_build_cache(tmp_path_factory):
+    """Small Hugging Face checkpoints built once per run (serving/hf_build.py's cache, shared by the
+    workers): the fixtures, the benchmarks and the demo build the same trained Llama."""
+    from serving.hf_build import CACHE_ENV
+    os.environ[CACHE_ENV] = str(_run_tmp(tmp_path_factory) / "hf-build-cache")
+
+
+def _run_tmp(tmp_path_factory) -> Path:
+    """The run's temporary directory, shared by its pytest-xdist workers (each one's is beneath it)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session")
 def hf_checkpoints(tmp_path_factory):
     """One small trained Hugging Face checkpoint per architecture (bf16, sharded) with its golden prompts:
@@ -85,10 +99,7 @@ def hf_checkpoints(tmp_path_factory):
     worker to need them builds them under the run's shared temporary directory, the others wait on its
     lock and read them. Tests only read them."""
     from serving import golden, hf_build
-    run_tmp = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        run_tmp = run_tmp.parent            # each worker's base directory is beneath the run's
-    root = run_tmp / "hf-checkpoints"
+    root = _run_tmp(tmp_path_factory) / "hf-checkpoints"
     root.mkdir(exist_ok=True)
     records = root / "golden.json"
     with open(root / ".lock", "w") as lock:
@@ -106,12 +117,10 @@ def hf_checkpoints(tmp_path_factory):
 def rank_zygote_socket(tmp_path_factory):
     """The run's rank zygote (training/zygote.py), started on first use: torch and the training code
     imported once, not once per host worker's fork server (about 4.5 CPU-seconds each)."""
-    from training import zygote
-    d = tmp_path_factory.mktemp("zygote")
-    proc = zygote.start(d / "zygote.sock", d / "zygote.log")
-    yield str(d / "zygote.sock")
-    proc.stdin.close()
-    proc.wait(30)
+    from training.zygote import Zygote
+    zygote = Zygote(tmp_path_factory.mktemp("zygote") / "zygote.log").start()
+    yield zygote.path
+    zygote.stop()
 
 
 @pytest.fixture

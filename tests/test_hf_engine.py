@@ -146,3 +146,19 @@ async def test_a_version_takes_its_weights_and_its_kv_cache_from_the_budget(tmp_
     assert vs.state == "failed" and vs.code == "oom" and f"{need} of the" in vs.reason
     assert ms.unload(("llama", "v1"))
     assert (await ms.load(("llama", "v2"), dirs[1])).state == "ready"
+
+
+def test_a_build_cache_copies_what_the_same_build_wrote_and_keeps_other_builds_apart(tmp_path, monkeypatch):
+    from serving import hf_build
+    monkeypatch.setenv(hf_build.CACHE_ENV, str(tmp_path / "cache"))
+
+    def files(d):
+        return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
+    first = hf_build.build("llama", tmp_path / "a", seed=3, train_steps=2)
+    again = hf_build.build("llama", tmp_path / "b", seed=3, train_steps=2)
+    other = hf_build.build("llama", tmp_path / "c", seed=4, train_steps=2)
+    assert files(again) == files(first) and any(n.endswith(".safetensors") for n in files(first))
+    assert files(other) != files(first)                     # another seed: another build, not the cached one
+    assert len([d for d in (tmp_path / "cache").iterdir() if d.is_dir()]) == 2
+    monkeypatch.delenv(hf_build.CACHE_ENV)
+    assert files(hf_build.build("llama", tmp_path / "d", seed=3, train_steps=2)) == files(first)   # built anew: the same

@@ -6,18 +6,20 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from serving.checkpoint import write_checkpoint
 from tests.serving_fixtures import SMALL
 from tests.test_cli_bench import _pid_of
+from tests.waiting import until_sync
 from weightcast.cli import main
 from workflows.rollout import RolloutWorkflow
 
 
 @pytest.fixture
-def dev_stack(tmp_path, rank_zygote):
+def dev_stack(tmp_path):
     d = tmp_path / "dev"
     assert main(["dev", "up", "--dir", str(d), "--hosts", "2", "--temporal-port", "0", "--ui-port", "0"]) == 0
     state = json.loads((d / "state.json").read_text())
@@ -72,9 +74,24 @@ def run(capsys, *argv) -> tuple[int, dict | None, str]:
     return rc, json.loads(lines[-1]) if lines else None, err
 
 
+def forked_by_the_stacks_zygote(log: Path) -> list[str]:
+    """The command lines of the processes forked by the zygote that logs to ``log``."""
+    def read(pid: str, what: str) -> str:
+        try:
+            return (os.readlink if what.startswith("fd/") else lambda p: Path(p).read_text())(f"/proc/{pid}/{what}")
+        except OSError:
+            return ""
+    pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    [zygote] = [p for p in pids if "training.zygote" in read(p, "cmdline") and read(p, "fd/2") == str(log)]
+    return [read(p, "cmdline").strip("\0 ") for p in pids if read(p, "stat").rsplit(")", 1)[-1].split()[1:2] == [zygote]]
+
+
 def test_dev_up_publish_status_down(tmp_path, capsys, dev_stack):
     d, state = dev_stack
     capsys.readouterr()
+    # the hosts' rank fork servers (started with each host worker) were forked by the stack's one zygote
+    until_sync(lambda: [c.split(" -m ")[-1] for c in forked_by_the_stacks_zygote(d / "stack" / "rank-zygote.log")]
+               == ["training.fork_server"] * 2, 30, "both hosts' fork servers forked by the stack's zygote")
     ckpt = write_checkpoint(tmp_path / "ckpt", SMALL, seed=3, shard_bytes=64 * 1024, version="v1")
     publish = ["publish", str(ckpt), "--model", "tiny", "--version", "v1", "--dev", str(d),
                "--chunk-size", "64KiB"]

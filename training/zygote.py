@@ -6,7 +6,7 @@ real fleet pays that once. A dev stack, a test suite or a benchmark runs many ho
 machine, and would pay it for every host it starts.
 
 The zygote, ``python -m training.zygote SOCKET``, imports all of that once and listens on a Unix
-socket. A host worker whose environment names the socket (``WEIGHTCAST_RANK_ZYGOTE``) has it fork
+socket (``Zygote`` starts one; a stack whose hosts train starts one, weightcast/stack/embedded.py). A host worker whose environment names the socket (``WEIGHTCAST_RANK_ZYGOTE``) has it fork
 its fork server instead of starting an interpreter: the same server, with the same pipes to its
 host worker and the same log, in the worker's working directory, environment and network namespace,
 in a session of its own, titled as ``python -m training.fork_server`` would be. Nothing else
@@ -26,11 +26,13 @@ import importlib
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import traceback
 from pathlib import Path
 
@@ -175,19 +177,44 @@ def serve(path: str) -> None:
 
 # ---------------------------------------------------------------- who starts it
 
-def start(path: Path, log: Path, timeout_s: float = 120) -> subprocess.Popen:
-    """Start a zygote listening on ``path``; it dies with the calling thread (PR_SET_PDEATHSIG) or when
-    the returned process's stdin is closed. Returns once it listens."""
-    from lib.processes import child_options, last_lines
-    with open(log, "ab") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "training.zygote", str(path)], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=err, **child_options())
-    ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
-    if not ready or proc.stdout.readline() != b"ready\n":
-        proc.kill()
-        proc.wait()
-        raise ZygoteError(f"the rank zygote did not start: {' | '.join(last_lines(log))}")
-    return proc
+class Zygote:
+    """A zygote this process starts: ``env()`` points host workers at it, ``stop()`` ends it (the fork
+    servers it forked end with it) and removes its socket. It also ends when this process does: its
+    stdin is ours (and, started from the main thread, PR_SET_PDEATHSIG)."""
+
+    def __init__(self, log: Path, timeout_s: float = 120):
+        self.log, self.timeout_s = Path(log), timeout_s
+        self.proc: subprocess.Popen | None = None
+        # a socket's path has at most 107 bytes: a short directory of its own, not the caller's
+        self.dir = tempfile.mkdtemp(prefix="wc-zygote-")
+        self.path = os.path.join(self.dir, "zygote.sock")
+
+    def start(self) -> "Zygote":
+        """Returns once it listens (its imports take a few CPU-seconds)."""
+        from lib.processes import child_options, last_lines
+        with open(self.log, "ab") as err:
+            self.proc = subprocess.Popen([sys.executable, "-m", "training.zygote", self.path], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=err, **child_options())
+        ready, _, _ = select.select([self.proc.stdout], [], [], self.timeout_s)
+        if not ready or self.proc.stdout.readline() != b"ready\n":
+            self.stop()
+            raise ZygoteError(f"the rank zygote did not start: {' | '.join(last_lines(self.log))}")
+        return self
+
+    def env(self) -> dict[str, str]:
+        return {ENV: self.path}
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.stdin.close()              # it exits at the end of its stdin
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc is not None:
+            self.proc.stdout.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- the host worker's side

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,7 @@ from weightcast.stack.supervisor import Supervisor
 from weightcast.stack.temporal import TemporalDevServer
 from activities.control import ControlActivities
 from workers import control_worker
+from training.zygote import ENV as ZYGOTE_ENV, Zygote
 from workflows.types import HostSpec
 
 if TYPE_CHECKING:
@@ -69,7 +71,8 @@ class EmbeddedStack:
     vllm_optimization_level: int | None = None  # vLLM's -O level (None: vLLM's default; 0: fastest start)
     net: "Topology | None" = None            # hosts on a kernel network, one namespace each (the module docstring)
     preload_training: bool = False           # host workers start their rank fork server (torch) at start: only
-                                             # worth it where the stack trains; rollouts never need it
+                                             # worth it where the stack trains; rollouts never need it. The
+                                             # servers are forked from one zygote of the stack's (training/zygote.py)
 
     async def start(self) -> "EmbeddedStack":
         """Start every part; a part that fails to start takes down the ones started before it."""
@@ -81,6 +84,8 @@ class EmbeddedStack:
         self.model_server_procs: dict[str, ModuleProc] = {}     # processes in the hosts' namespaces (``net``)
         self.host_workers: dict[str, ModuleProc] = {}
         self.control_worker = None
+        self.zygote: Zygote | None = None
+        self._zygote_start: asyncio.Future | None = None
         try:
             return await self._start()
         except BaseException:
@@ -89,6 +94,9 @@ class EmbeddedStack:
 
     async def _start(self) -> "EmbeddedStack":
         self.root.mkdir(parents=True, exist_ok=True)
+        if self.preload_training and ZYGOTE_ENV not in os.environ:    # (tests share one zygote per run)
+            self.zygote = Zygote(self.root / "rank-zygote.log")
+            self._zygote_start = asyncio.ensure_future(asyncio.to_thread(self.zygote.start))   # beside the rest
         net = self.net
         if net is not None and (net.gateway_addr is None or net.controller is None
                                 or len(net.hosts) < len(self.host_ids)):
@@ -127,6 +135,8 @@ class EmbeddedStack:
         self.runners.append(r)
         self.hosts: list[HostSpec] = []
         server_ports = dict(zip(self.host_ids, free_ports(len(self.host_ids)))) if net else {}
+        if self._zygote_start is not None:
+            await self._zygote_start
         for i in self.host_ids:
             if net:
                 server = f"http://{place[i].addr}:{server_ports[i]}"
@@ -153,7 +163,8 @@ class EmbeddedStack:
                  "--peerd", self.peerd[i].addr,
                  "--store", str(self.peerd[i].store), "--model-server", server,
                  "--preload-training" if self.preload_training else "--no-preload-training"],
-                env={"WEIGHTCAST_ADMIN_TOKEN": self.admin_token, "WEIGHTCAST_TOKEN": self.token},
+                env={"WEIGHTCAST_ADMIN_TOKEN": self.admin_token, "WEIGHTCAST_TOKEN": self.token,
+                     **(self.zygote.env() if self.zygote else {})},
                 netns=place[i].ns if net else None).launch()
         for p in [*self.peerd.values(), *self.model_server_procs.values(), *self.host_workers.values()]:
             await asyncio.to_thread(p.wait_ready)
@@ -241,6 +252,9 @@ class EmbeddedStack:
             await _bounded(self.stop_temporal(), "Temporal dev server shutdown")
         if self._own_s3 and self.s3 is not None:
             await asyncio.to_thread(self.s3.stop)
+        if self._zygote_start is not None:
+            await asyncio.gather(self._zygote_start, return_exceptions=True)   # one still starting is stopped too
+            await asyncio.to_thread(self.zygote.stop)
 
 
 def _running(proc):
