@@ -163,6 +163,11 @@ def pytest_configure(config):
         os.environ["OMP_NUM_THREADS"] = str(threads)
         if "torch" in sys.modules:
             sys.modules["torch"].set_num_threads(threads)
+    if worker and "OMP_WAIT_POLICY" not in os.environ:
+        # OpenMP threads that wait for work sleep instead of spinning: with the workers' processes beside
+        # one another, spinning threads (numba's parallel loops above all) burnt up to twice the CPU-seconds
+        # of the work itself (tests/test_sim_kernels.py: 33 CPU-s against 15 beside two busy loops)
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 
 def pytest_collection_modifyitems(config, items):
