@@ -113,11 +113,22 @@ def hf_checkpoints(tmp_path_factory):
     return {arch: (root / arch, goldens[arch]) for arch in hf_build.ARCHITECTURES}
 
 
+# the zygote of a pytest-xdist run, started by its controller for all of its workers
+_RUN_ZYGOTE = "WEIGHTCAST_TEST_RANK_ZYGOTE"
+_zygote_key = pytest.StashKey()
+
+
 @pytest.fixture(scope="session")
 def rank_zygote_socket(tmp_path_factory):
-    """The run's rank zygote (training/zygote.py), started on first use: torch and the training code
-    imported once, not once per host worker's fork server (about 4.5 CPU-seconds each)."""
+    """The run's rank zygote (training/zygote.py): torch and the training code imported once, not once
+    per host worker's fork server (about 4.5 CPU-seconds each). Under pytest-xdist, the controller's
+    (started with the run, shared by the workers); in one process, started on first use."""
     from training.zygote import Zygote
+    if os.environ.get(_RUN_ZYGOTE):
+        from tests.waiting import until_sync
+        until_sync(lambda: os.path.exists(os.environ[_RUN_ZYGOTE]), 120, "the run's rank zygote listening")
+        yield os.environ[_RUN_ZYGOTE]
+        return
     zygote = Zygote(tmp_path_factory.mktemp("zygote") / "zygote.log").start()
     yield zygote.path
     zygote.stop()
@@ -150,6 +161,11 @@ _LONGEST = ["test_training_workflow.py", "test_vllm_engine.py", "test_cli_bench.
 
 def pytest_configure(config):
     worker, workers = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if not worker and getattr(config.option, "numprocesses", None) and not config.option.collectonly:
+        # the controller: one rank zygote for every worker, importing while the workers start
+        from training.zygote import Zygote
+        config.stash[_zygote_key] = Zygote().start(wait=False)
+        os.environ[_RUN_ZYGOTE] = config.stash[_zygote_key].path
     if worker and workers and PORTS_ENV not in os.environ:
         # each worker's stacks pick their ports from a range of their own (lib/ports.py)
         ports, i, n = port_range(), int(worker.removeprefix("gw")), int(workers)
@@ -168,6 +184,12 @@ def pytest_configure(config):
         # one another, spinning threads (numba's parallel loops above all) burnt up to twice the CPU-seconds
         # of the work itself (tests/test_sim_kernels.py: 33 CPU-s against 15 beside two busy loops)
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+
+
+def pytest_unconfigure(config):
+    zygote = config.stash.get(_zygote_key, None)
+    if zygote is not None:
+        zygote.stop()
 
 
 def pytest_collection_modifyitems(config, items):

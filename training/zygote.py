@@ -113,8 +113,9 @@ def serve(path: str) -> None:
     import setproctitle            # noqa: F401  (the children set their titles with it)
     gc.freeze()                    # what is imported stays shared with every child: no collection writes to it
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
+    listener.bind(path + ".binding")
     listener.listen(64)
+    os.rename(path + ".binding", path)        # the path appears only once it accepts connections
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.signal(signal.SIGCHLD, lambda *_: None)       # a handler, so that the wakeup fd is written
@@ -182,19 +183,23 @@ class Zygote:
     servers it forked end with it) and removes its socket. It also ends when this process does: its
     stdin is ours (and, started from the main thread, PR_SET_PDEATHSIG)."""
 
-    def __init__(self, log: Path, timeout_s: float = 120):
-        self.log, self.timeout_s = Path(log), timeout_s
+    def __init__(self, log: Path | None = None, timeout_s: float = 120):
+        self.timeout_s = timeout_s
         self.proc: subprocess.Popen | None = None
         # a socket's path has at most 107 bytes: a short directory of its own, not the caller's
         self.dir = tempfile.mkdtemp(prefix="wc-zygote-")
         self.path = os.path.join(self.dir, "zygote.sock")
+        self.log = Path(log) if log else Path(self.dir, "zygote.log")
 
-    def start(self) -> "Zygote":
-        """Returns once it listens (its imports take a few CPU-seconds)."""
+    def start(self, wait: bool = True) -> "Zygote":
+        """Returns once it listens (its imports take a few CPU-seconds), or at once (``wait=False``):
+        its socket's path then appears once it listens."""
         from lib.processes import child_options, last_lines
         with open(self.log, "ab") as err:
             self.proc = subprocess.Popen([sys.executable, "-m", "training.zygote", self.path], stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, stderr=err, **child_options())
+        if not wait:
+            return self
         ready, _, _ = select.select([self.proc.stdout], [], [], self.timeout_s)
         if not ready or self.proc.stdout.readline() != b"ready\n":
             self.stop()
