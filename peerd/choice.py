@@ -105,6 +105,14 @@ def rank_window(want: np.ndarray, holders: np.ndarray, lo: np.ndarray, table: np
     return lo[:, None] + idx, key[rows, idx] != _NONE
 
 
+def rarest_offered(key: np.ndarray, offered: np.ndarray) -> int:
+    """The position of the best-ranked (lowest ``rarity_key``) chunk among those ``offered`` in one
+    window, or -1 if none is: ``rank_window`` with k = 1 for one row whose key is already known."""
+    masked = np.where(offered, key, _NONE)
+    i = int(np.argmin(masked))
+    return i if masked[i] != _NONE else -1
+
+
 def source_scores(holds: np.ndarray, same_rack: np.ndarray, mine_inflight: np.ndarray,
                   rng: np.random.Generator, rate_rank: np.ndarray | None = None) -> np.ndarray:
     """Score each candidate peer of each row (higher is better; -inf = cannot serve): a peer in the

@@ -18,8 +18,8 @@ from statistics import median
 
 import numpy as np
 
-from peerd.choice import (cross_rack_ok, origin_order, origin_owner, peer_budget, rank_window, source_scores,
-                          tiebreak_params)
+from peerd.choice import (cross_rack_ok, origin_order, origin_owner, peer_budget, rank_window, rarest_offered,
+                          rarity_key, source_scores, tiebreak_params)
 
 ORIGIN = "<origin>"
 
@@ -476,15 +476,20 @@ class SwarmPolicy:
         cols = np.arange(self.lo, min(self.lo + self.config.window, self.n_chunks))[None, :]
         cross_ok = self._cross_ok(cols, now)
         holders = np.maximum(self._usable(cols, now, cross_ok), 1)
+        # the window's rarity order is the same for every peer: only what each one offers differs
+        key = rarity_key(holders, np.array([self.lo]), *self._tb)[0]
+        want = ~self.have[cols[0]] & ~self.inflight_mask[cols[0]]
         for pid, p in sorted(ready, key=lambda x: x[1].load):   # the least loaded first (stable: random among equals)
             if len(out) >= free:
                 break
-            offered = p.bits[cols] & (cross_ok if p.rack != self.rack else True)
-            cand, ok = rank_window(offered & ~self.have[cols] & ~self.inflight_mask[cols], holders, np.array([self.lo]),
-                                   *self._tb, 1)
-            if ok[0, 0]:
-                c = int(cand[0, 0])
+            offered = p.bits[cols[0]] & want
+            if p.rack != self.rack:
+                offered &= cross_ok[0]
+            i = rarest_offered(key, offered)
+            if i >= 0:
+                c = self.lo + i
                 self._add_request(c, pid)
+                want[i] = False
                 out.append(Request(c, pid))
         return out
 

@@ -2,7 +2,8 @@
 import numpy as np
 
 from peerd.sim.fluid import max_min_rates
-from peerd.choice import origin_owner, origin_slots, rank_window, source_scores, tiebreak_params, tiebreak_rows
+from peerd.choice import (origin_owner, origin_slots, rank_window, rarest_offered, rarity_key, source_scores,
+                          tiebreak_params, tiebreak_rows)
 from peerd.policy import SwarmPolicy
 
 
@@ -40,6 +41,22 @@ def test_no_wanted_chunk_is_reported_invalid():
     assert not ok.any()
     full, okf = rank_window(np.ones((1, 3), bool), np.array([[2, 1, 3]]), cols[:, 0], table, off, 3)
     assert okf.all() and full[0].tolist() == [1, 0, 2]       # k = window: all of it, rarest first
+
+
+def test_the_rarest_offered_chunk_is_rank_window_of_one_over_a_known_key():
+    rng = np.random.default_rng(4)
+    table, off = tiebreak_params(rng, 1)
+    found = 0
+    for _ in range(500):
+        w, lo = int(rng.integers(1, 40)), int(rng.integers(0, 1000))
+        holders = rng.integers(1, 5, (1, w))
+        offered = rng.random(w) < rng.random()
+        cand, ok = rank_window(offered[None, :], holders, np.array([lo]), table, off, 1)
+        i = rarest_offered(rarity_key(holders, np.array([lo]), table, off)[0], offered)
+        assert (i >= 0) == bool(ok[0, 0]) and (i < 0 or lo + i == cand[0, 0])
+        found += i >= 0
+    assert 100 < found < 500                          # both outcomes were checked
+    assert rarest_offered(np.array([5, 1, 3]), np.array([True, False, True])) == 2   # the lowest key offered
 
 
 def test_source_prefers_own_rack_then_fewer_requests_then_speed():
