@@ -46,7 +46,8 @@ async def test_vllm_serves_reloads_in_place_and_never_serves_what_fails_its_chec
                                                                                   vllm_python, monkeypatch):
     from serving import hf_build, golden as golden_mod
     src, g1 = hf_checkpoints["llama"]
-    v3 = hf_build.build("llama", tmp_path / "llama-v3", seed=12)      # another training of the same shape
+    # another training of the same shape (`bench engine`'s second version: the run builds it once)
+    v3 = hf_build.build("llama", tmp_path / "llama-v3", seed=1)
     trained = trained_llama_export(tmp_path)                           # weightcast's own Llama: its own tokenizer
     versions = {"v1": (src, g1), "v3": (v3, golden_mod.record(v3)), "t": (trained, golden_mod.record(trained))}
     dirs = {v: store_version(tmp_path, d, "llama", v, keys["private"], serving={"golden": g})
