@@ -53,7 +53,7 @@ def _run(kind: str, spec: str) -> None:
         export_spec(spec)
 
 
-def _fork_rank(kind: str, spec: str, log: str, wake_fds: tuple[int, int]) -> int:
+def _fork_child(kind: str, spec: str, log: str, wake_fds: tuple[int, int]) -> int:
     """Fork one rank (or export); in the child, run it and never return. Returns once the child leads
     its own session, so whoever gets the pid can signal its process group."""
     in_session_r, in_session_w = os.pipe()
@@ -144,7 +144,7 @@ def serve() -> None:
             for line in lines:
                 kind, *args = line.decode().split("\t")
                 if kind in ("rank", "export"):
-                    pid = _fork_rank(kind, args[0], args[1], (wake_r, wake_w))
+                    pid = _fork_child(kind, args[0], args[1], (wake_r, wake_w))
                     children.add(pid)
                     os.write(1, f"started {pid}\n".encode())
                 else:
@@ -232,7 +232,7 @@ class ForkServer:
                 self._proc = await spawn_from_zygote(zygote, self.log)
             except (OSError, ZygoteError) as e:
                 logger.warning("rank zygote unusable, starting the fork server itself",
-                            extra={"zygote": zygote, "error": str(e)})
+                               extra={"zygote": zygote, "error": str(e)})
         if self._proc is None:
             with open(self.log, "ab") as err:
                 self._proc = await asyncio.create_subprocess_exec(

@@ -6,10 +6,11 @@ real fleet pays that once. A dev stack, a test suite or a benchmark runs many ho
 machine, and would pay it for every host it starts.
 
 The zygote, ``python -m training.zygote SOCKET``, imports all of that once and listens on a Unix
-socket (``Zygote`` starts one; a stack whose hosts train starts one, weightcast/stack/embedded.py). A host worker whose environment names the socket (``WEIGHTCAST_RANK_ZYGOTE``) has it fork
-its fork server instead of starting an interpreter: the same server, with the same pipes to its
-host worker and the same log, in the worker's working directory, environment and network namespace,
-in a session of its own, titled as ``python -m training.fork_server`` would be. Nothing else
+socket (``Zygote`` starts one; so does a stack whose hosts train, weightcast/stack/embedded.py). A
+host worker whose environment names the socket (``WEIGHTCAST_RANK_ZYGOTE``) has it fork its fork
+server instead of starting an interpreter: the same server, with the same pipes to its host worker
+and the same log, in the worker's working directory, environment and network namespace, in a
+session of its own, titled as ``python -m training.fork_server`` would be. Nothing else
 changes: the server still exits when its host worker's end of the pipe closes, and its ranks still
 outlive it. A host worker without the variable, or whose zygote cannot be reached, execs the server.
 
