@@ -287,14 +287,22 @@ class Topology:
 def enter(ns: str) -> None:
     """Move the calling thread (and every thread and process it starts from now on) into ``ns``: a
     rank process calls it first thing, before it opens a socket."""
-    import ctypes
-    libc = ctypes.CDLL(None, use_errno=True)
     fd = os.open(f"/run/netns/{ns}", os.O_RDONLY)
     try:
-        if libc.setns(fd, 0x40000000) != 0:              # CLONE_NEWNET
-            raise NetnsError(f"setns({ns}): {os.strerror(ctypes.get_errno())}")
+        enter_fd(fd, ns)
     finally:
         os.close(fd)
+
+
+def enter_fd(fd: int, name: str = "") -> None:
+    """``enter`` the namespace an open descriptor refers to (``/proc/PID/ns/net`` of another process,
+    passed over a Unix socket), unless the caller is in it already: setns needs CAP_SYS_ADMIN even then."""
+    if os.fstat(fd).st_ino == os.stat("/proc/thread-self/ns/net").st_ino:
+        return
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setns(fd, 0x40000000) != 0:              # CLONE_NEWNET
+        raise NetnsError(f"setns({name or fd}): {os.strerror(ctypes.get_errno())}")
 
 
 def _links_on(prefix: str) -> list[str]:

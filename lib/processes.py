@@ -29,6 +29,11 @@ def reset_forked_child(inherited_fds) -> None:
         os.close(fd)
 
 
+def exit_code(e: SystemExit) -> int:
+    """The status an interpreter exits with for ``e``: its code, 0 for None, 1 for a message."""
+    return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+
+
 def redirect_to_log(path: str | Path) -> None:
     """In a forked child: stdin from /dev/null, stdout and stderr appended to ``path``, as a child
     started with those redirections would have them."""

@@ -123,12 +123,12 @@ def rank_zygote_socket(tmp_path_factory):
     """The run's rank zygote (training/zygote.py): torch and the training code imported once, not once
     per host worker's fork server (about 4.5 CPU-seconds each). Under pytest-xdist, the controller's
     (started with the run, shared by the workers); in one process, started on first use."""
-    from training.zygote import Zygote
     if os.environ.get(_RUN_ZYGOTE):
         from tests.waiting import until_sync
         until_sync(lambda: os.path.exists(os.environ[_RUN_ZYGOTE]), 120, "the run's rank zygote listening")
         yield os.environ[_RUN_ZYGOTE]
         return
+    from training.zygote import Zygote
     zygote = Zygote(tmp_path_factory.mktemp("zygote") / "zygote.log").start()
     yield zygote.path
     zygote.stop()

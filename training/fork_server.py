@@ -38,7 +38,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from lib.processes import redirect_to_log, reset_forked_child
+from lib.processes import exit_code, redirect_to_log, reset_forked_child
 from training.zygote import ENV as ZYGOTE_ENV, ZygoteError, spawn as spawn_from_zygote
 
 logger = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ def _fork_child(kind: str, spec: str, log: str, wake_fds: tuple[int, int]) -> in
         _run(kind, spec)
         code = 0
     except SystemExit as e:
-        code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
+        code = exit_code(e)
     except BaseException:
         traceback.print_exc()
     finally:

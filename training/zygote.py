@@ -39,7 +39,6 @@ from pathlib import Path
 
 ENV = "WEIGHTCAST_RANK_ZYGOTE"
 _HEADER = struct.Struct("!Q")
-_CLONE_NEWNET = 0x40000000
 
 
 class ZygoteError(RuntimeError):
@@ -48,27 +47,18 @@ class ZygoteError(RuntimeError):
 
 # ---------------------------------------------------------------- the zygote (its own process)
 
-def _enter_netns(fd: int) -> None:
-    """Into the namespace ``fd`` refers to, unless it is ours already (setns needs CAP_SYS_ADMIN)."""
-    if os.fstat(fd).st_ino == os.stat("/proc/self/ns/net").st_ino:
-        return
-    import ctypes
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.setns(fd, _CLONE_NEWNET) != 0:
-        raise OSError(ctypes.get_errno(), f"setns: {os.strerror(ctypes.get_errno())}")
-
-
 def _run_server(req: dict, fds: list[int], inherited: list[int]) -> None:
     """In the forked child: become the host worker's fork server, and exit when it does."""
     code = 1
     try:
-        from lib.processes import reset_forked_child, set_die_with_parent
+        from lib.netns import enter_fd
+        from lib.processes import exit_code, reset_forked_child, set_die_with_parent
         reset_forked_child(inherited)
         signal.signal(signal.SIGINT, signal.default_int_handler)     # as a fresh interpreter has it
         set_die_with_parent()
         os.setsid()
         stdin, stdout, stderr, netns = fds
-        _enter_netns(netns)
+        enter_fd(netns)
         for fd, target in ((stdin, 0), (stdout, 1), (stderr, 2)):
             os.dup2(fd, target)
         for fd in fds:
@@ -82,7 +72,7 @@ def _run_server(req: dict, fds: list[int], inherited: list[int]) -> None:
         serve()
         code = 0
     except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        code = exit_code(e)
     except BaseException:
         traceback.print_exc()
     finally:

@@ -33,7 +33,8 @@ import traceback
 
 import setproctitle
 
-from lib.processes import child_options, describe_exit, redirect_to_log, reset_forked_child, set_die_with_parent
+from lib.processes import (child_options, describe_exit, exit_code, redirect_to_log, reset_forked_child,
+                           set_die_with_parent)
 
 # what the stack forks (peerd, host workers, the rollout-shape benchmark's control worker); a module not
 # listed still starts, importing what it needs after the fork
@@ -70,7 +71,7 @@ def _run_child(req: dict, inherited: list[int]) -> None:
         result = importlib.import_module(main_module).main(req["argv"])
         code = 0 if result is None else result
     except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        code = exit_code(e)
         if isinstance(e.code, str):
             print(e.code, file=sys.stderr)
     except KeyboardInterrupt:    # an interpreter dies of the SIGINT it did not handle
